@@ -1,0 +1,24 @@
+# Two entry points: `make train` (the main job) and `make test` (the suite CI runs).
+# Both create .venv on first use; torch==2.13.0 resolves to the local CPU wheel on our machines.
+VENV   := .venv
+PY     := $(VENV)/bin/python
+NPROC  ?= 2
+
+$(VENV)/.installed: pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $@
+
+.PHONY: train test lint
+train: $(VENV)/.installed
+	$(VENV)/bin/torchrun --standalone --nproc-per-node $(NPROC) examples/train_gpt.py
+
+test: $(VENV)/.installed
+	$(PY) -m ruff check src tests examples benchmarks
+	$(PY) -m mypy
+	$(PY) -m pytest
+
+lint: $(VENV)/.installed
+	$(PY) -m ruff format --check src tests examples benchmarks

@@ -1,0 +1,38 @@
+"""All-reduce algorithms behind one interface (:class:`AllReduceAlgorithm`)."""
+
+from __future__ import annotations
+
+from gradsync.comm.algorithm import AllReduceAlgorithm, CommStats, Handle
+from gradsync.comm.hierarchical import HierarchicalAllReduce
+from gradsync.comm.native import NativeAllReduce
+from gradsync.comm.ring import RingAllReduce
+
+ALGORITHMS: dict[str, type[AllReduceAlgorithm]] = {
+    "native": NativeAllReduce,
+    "ring": RingAllReduce,
+    "hierarchical": HierarchicalAllReduce,
+}
+
+
+def get_algorithm(algorithm: str | AllReduceAlgorithm) -> AllReduceAlgorithm:
+    """An algorithm instance from its name (``"native"``, ...) or the instance itself."""
+    if isinstance(algorithm, AllReduceAlgorithm):
+        return algorithm
+    try:
+        return ALGORITHMS[algorithm]()
+    except KeyError:
+        raise ValueError(
+            f"unknown all-reduce algorithm {algorithm!r}; expected one of {sorted(ALGORITHMS)}"
+        ) from None
+
+
+__all__ = [
+    "ALGORITHMS",
+    "AllReduceAlgorithm",
+    "CommStats",
+    "Handle",
+    "HierarchicalAllReduce",
+    "NativeAllReduce",
+    "RingAllReduce",
+    "get_algorithm",
+]

@@ -1,0 +1,60 @@
+"""The extension point for all-reduce: one small interface, several algorithms behind it.
+
+An algorithm takes a tensor, an op and a process group and starts an in-place all-reduce,
+returning a handle with ``wait()``, like ``dist.all_reduce(..., async_op=True)`` does. The
+data-parallel wrapper calls it once per bucket and never needs to know which algorithm runs.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Literal, Protocol
+
+import torch
+import torch.distributed as dist
+
+ReduceOpName = Literal["sum", "avg"]
+REDUCE_OPS: tuple[str, ...] = ("sum", "avg")
+
+
+class Handle(Protocol):
+    """What an asynchronous all-reduce returns; ``wait()`` blocks until the result is in place."""
+
+    def wait(self) -> object: ...
+
+
+@dataclass
+class CommStats:
+    """Bytes this rank has sent and received through an algorithm, for bandwidth accounting."""
+
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    calls: int = 0
+
+    def reset(self) -> None:
+        self.bytes_sent = self.bytes_received = self.calls = 0
+
+
+class AllReduceAlgorithm(ABC):
+    """Base class of every all-reduce algorithm.
+
+    Subclasses implement :meth:`all_reduce`; the result must land in ``tensor`` in place and be
+    identical on every rank of ``group``. ``"avg"`` is the sum divided by the group size.
+    """
+
+    name: str = "abstract"
+
+    def __init__(self) -> None:
+        self.stats = CommStats()
+
+    @abstractmethod
+    def all_reduce(
+        self, tensor: torch.Tensor, op: ReduceOpName = "sum", group: dist.ProcessGroup | None = None
+    ) -> Handle:
+        """Start an in-place all-reduce of ``tensor`` over ``group`` and return its handle."""
+
+
+def check_op(op: str) -> None:
+    if op not in REDUCE_OPS:
+        raise ValueError(f"unsupported reduce op {op!r}; expected one of {REDUCE_OPS}")

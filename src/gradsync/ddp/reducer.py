@@ -1,0 +1,253 @@
+"""Overlapped gradient reduction: the machinery behind :class:`DistributedDataParallel`.
+
+[Note: when a bucket fires]
+A post-accumulate-grad hook on every trainable parameter copies its gradient into the flat
+buffer of its bucket. When the last gradient of a bucket arrives, the bucket's all-reduce is
+started asynchronously, while autograd goes on computing earlier layers. Buckets are launched
+strictly in index order (a ready bucket waits for its predecessors) because gloo and NCCL match
+collectives by the order they are issued: two ranks that launched buckets in different orders
+would sum unrelated gradients. At the end of backward (an autograd engine callback), buckets not
+launched yet, those holding a parameter that got no gradient in this pass, are filled and
+launched, every handle is waited for and the results are written to ``.grad``.
+
+[Note: used flags]
+Each bucket carries, after its gradients, one element per parameter: 1 if the parameter got a
+gradient on this rank during the accumulation window, else 0. They are summed by the same
+all-reduce, so every rank learns, at no extra collective, on how many ranks each parameter was
+used. That lets every rank raise the same error for an unused parameter (instead of one rank
+erroring while the others hang) and leave the ``.grad`` of a parameter unused everywhere untouched,
+exactly as single-process training would.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from gradsync.comm import AllReduceAlgorithm, Handle
+from gradsync.ddp.buckets import BucketSpec
+
+
+class UnusedParametersError(RuntimeError):
+    """Some parameter got no gradient on some rank while ``find_unused_parameters=False``."""
+
+
+class _Phase(enum.Enum):
+    UNPREPARED = "unprepared"  # no forward through the wrapper since the last reduction
+    ACCUMULATING = "accumulating"  # last forward ran under no_sync(): gradients stay local
+    ARMED = "armed"  # last forward ran with sync on: the next backward reduces
+    REDUCING = "reducing"  # inside that backward: buckets are being launched
+
+
+class Bucket:
+    """One flat buffer of gradients plus a used flag per parameter (see [Note: used flags])."""
+
+    def __init__(self, spec: BucketSpec, params: Sequence[nn.Parameter]) -> None:
+        self.spec = spec
+        self.params = list(params)
+        device = self.params[0].device
+        self.buffer = torch.zeros(spec.numel + len(params), dtype=spec.dtype, device=device)
+        self.grads = self.buffer[: spec.numel]
+        self.used_flags = self.buffer[spec.numel :]
+        self.views = [
+            self.buffer[off : off + p.numel()].view(p.shape)
+            for off, p in zip(spec.offsets, self.params, strict=True)
+        ]
+        self.work: Handle | None = None
+        self.reset()
+
+    def reset(self) -> None:
+        self.ready = [False] * len(self.params)
+        self.had_grad = [False] * len(self.params)
+        self.pending = len(self.params)
+        self.work = None
+
+    def mark_param_as_ready(self, slot: int, as_view: bool) -> None:
+        """Put ``params[slot].grad`` (zeros if it has none) into the buffer."""
+        assert not self.ready[slot], "a parameter was marked ready twice in one backward"
+        param, view = self.params[slot], self.views[slot]
+        grad = param.grad
+        if grad is None:
+            view.zero_()
+        else:
+            if grad.data_ptr() != view.data_ptr():
+                view.copy_(grad)
+            if as_view and param.grad is not view:
+                param.grad = view
+            self.had_grad[slot] = True
+        self.ready[slot] = True
+        self.pending -= 1
+
+
+class Reducer:
+    """Owns the buckets, the hooks and the per-step state of gradient synchronisation."""
+
+    def __init__(
+        self,
+        named_params: Sequence[tuple[str, nn.Parameter]],
+        specs: Sequence[BucketSpec],
+        *,
+        process_group: dist.ProcessGroup | None,
+        algorithm: AllReduceAlgorithm,
+        reduction: str,
+        find_unused_parameters: bool,
+        gradient_as_bucket_view: bool,
+    ) -> None:
+        self.names = [n for n, _ in named_params]
+        self.params = [p for _, p in named_params]
+        self.process_group = process_group
+        self.algorithm = algorithm
+        self.reduction = reduction
+        self.find_unused_parameters = find_unused_parameters
+        self.gradient_as_bucket_view = gradient_as_bucket_view
+        self.world_size = dist.get_world_size(process_group)
+        self.rank = dist.get_rank(process_group)
+        self.buckets = [Bucket(s, [self.params[i] for i in s.param_indices]) for s in specs]
+        # param index -> (bucket index, slot in bucket)
+        self.location: dict[int, tuple[int, int]] = {}
+        for b, spec in enumerate(specs):
+            for slot, i in enumerate(spec.param_indices):
+                self.location[i] = (b, slot)
+        self.phase = _Phase.UNPREPARED
+        self.next_bucket = 0
+        self.used = [False] * len(self.params)  # used during the current accumulation window
+        self.num_reductions = 0  # completed synchronised backward passes, for tests and logs
+        self._handles = [
+            p.register_post_accumulate_grad_hook(self._make_hook(i))
+            for i, p in enumerate(self.params)
+        ]
+
+    # -- forward side ---------------------------------------------------------------------
+    def prepare_for_backward(self, sync: bool) -> None:
+        """Called by every grad-enabled forward: decides whether its backward reduces."""
+        if self.phase is _Phase.REDUCING:
+            raise RuntimeError(
+                "gradsync: forward called while a synchronised backward is still running"
+            )
+        self.phase = _Phase.ARMED if sync else _Phase.ACCUMULATING
+
+    # -- backward side --------------------------------------------------------------------
+    def _make_hook(self, index: int) -> Callable[[torch.Tensor], None]:
+        def hook(param: torch.Tensor) -> None:
+            self._on_grad_ready(index)
+
+        return hook
+
+    def _on_grad_ready(self, index: int) -> None:
+        self.used[index] = True
+        if self.phase is _Phase.ACCUMULATING:
+            return
+        if self.phase is _Phase.UNPREPARED:
+            raise RuntimeError(
+                f"gradsync: parameter '{self.names[index]}' got a gradient on rank {self.rank}, "
+                "but no forward ran through the DistributedDataParallel wrapper since the last "
+                "synchronised backward, so this gradient would never be synchronised. Call the "
+                "wrapper (not .module) for training forwards, and run a new forward before each "
+                "backward."
+            )
+        if self.phase is _Phase.ARMED:
+            self.phase = _Phase.REDUCING
+            # Runs once the whole backward pass has finished, on the engine's thread.
+            torch.autograd.Variable._execution_engine.queue_callback(
+                self.finish_gradient_synchronization
+            )
+        b, slot = self.location[index]
+        bucket = self.buckets[b]
+        if bucket.ready[slot]:
+            raise RuntimeError(
+                f"gradsync: parameter '{self.names[index]}' produced a gradient twice in one "
+                "backward pass (reentrant checkpointing?); this is not supported"
+            )
+        bucket.mark_param_as_ready(slot, self.gradient_as_bucket_view)
+        if bucket.pending == 0:
+            self._launch_ready_buckets()
+
+    def _launch_ready_buckets(self) -> None:
+        # In index order only; see [Note: when a bucket fires].
+        while self.next_bucket < len(self.buckets) and self.buckets[self.next_bucket].pending == 0:
+            self._launch(self.buckets[self.next_bucket])
+            self.next_bucket += 1
+
+    def _launch(self, bucket: Bucket) -> None:
+        flags = [1.0 if self.used[i] else 0.0 for i in bucket.spec.param_indices]
+        bucket.used_flags.copy_(torch.tensor(flags, dtype=bucket.buffer.dtype))
+        if self.reduction == "mean":
+            # Divide before the sum, as torch DDP does: keeps low-precision sums in range.
+            bucket.grads.div_(self.world_size)
+        bucket.work = self.algorithm.all_reduce(bucket.buffer, "sum", self.process_group)
+
+    def finish_gradient_synchronization(self) -> None:
+        """Wait for every bucket and write the reduced gradients to ``.grad``.
+
+        Runs by itself at the end of each synchronised backward; calling it again is a no-op.
+        """
+        if self.phase is not _Phase.REDUCING:
+            return
+        try:
+            # Buckets holding parameters without a gradient in this pass never filled up.
+            for bucket in self.buckets[self.next_bucket :]:
+                for slot in range(len(bucket.params)):
+                    if not bucket.ready[slot]:
+                        bucket.mark_param_as_ready(slot, as_view=False)
+            self._launch_ready_buckets()
+            assert self.next_bucket == len(self.buckets)
+            for bucket in self.buckets:
+                assert bucket.work is not None
+                bucket.work.wait()
+            counts = [b.used_flags.tolist() for b in self.buckets]
+            if not self.find_unused_parameters:
+                self._raise_if_unused(counts)
+            for bucket, bucket_counts in zip(self.buckets, counts, strict=True):
+                self._write_back(bucket, bucket_counts)
+            self.num_reductions += 1
+        finally:
+            for bucket in self.buckets:
+                bucket.reset()
+            self.next_bucket = 0
+            self.used = [False] * len(self.params)
+            self.phase = _Phase.UNPREPARED
+
+    def _write_back(self, bucket: Bucket, counts: list[float]) -> None:
+        for slot, param in enumerate(bucket.params):
+            if counts[slot] == 0:
+                # Unused on every rank: like single-process training, leave .grad as it was.
+                continue
+            view = bucket.views[slot]
+            if self.gradient_as_bucket_view:
+                param.grad = view
+            elif param.grad is None:
+                param.grad = view.clone()
+            else:
+                param.grad.copy_(view)
+
+    def _raise_if_unused(self, counts: list[list[float]]) -> None:
+        missing = [
+            self.names[i]
+            for bucket, bucket_counts in zip(self.buckets, counts, strict=True)
+            for i, c in zip(bucket.spec.param_indices, bucket_counts, strict=True)
+            if c < self.world_size
+        ]
+        if not missing:
+            return
+        # Every rank saw the same counts, so every rank reaches this collective: no hang.
+        mine = [self.names[i] for i in range(len(self.params)) if not self.used[i]]
+        per_rank: list[list[str] | None] = [None] * self.world_size
+        dist.all_gather_object(per_rank, mine, group=self.process_group)
+        lines = [f"  rank {r}: {names}" for r, names in enumerate(per_rank) if names]
+        raise UnusedParametersError(
+            "gradsync: these parameters received no gradient in this backward pass "
+            f"(find_unused_parameters=False), seen from rank {self.rank}:\n"
+            + "\n".join(lines)
+            + "\nMake every parameter take part in the loss on every rank, freeze the ones you do "
+            "not train (requires_grad=False), or pass find_unused_parameters=True to count a "
+            "missing gradient as zero."
+        )
+
+    def remove_hooks(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()

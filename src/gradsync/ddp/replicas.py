@@ -1,0 +1,83 @@
+"""Making replicas start equal: the cross-rank model check and rank 0's state broadcast."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+def describe(
+    named_params: Iterable[tuple[str, torch.Tensor]],
+    named_buffers: Iterable[tuple[str, torch.Tensor]],
+) -> list[tuple[str, str, tuple[int, ...], str, bool]]:
+    """(kind, name, shape, dtype, requires_grad) of every parameter and buffer, in order."""
+    rows = [
+        ("parameter", n, tuple(p.shape), str(p.dtype), p.requires_grad) for n, p in named_params
+    ]
+    rows += [("buffer", n, tuple(b.shape), str(b.dtype), False) for n, b in named_buffers]
+    return rows
+
+
+def check_same_model(
+    rows: list[tuple[str, str, tuple[int, ...], str, bool]],
+    settings: dict[str, Any],
+    group: dist.ProcessGroup | None,
+) -> None:
+    """Raise ``ValueError`` on every rank unless all ranks hold the same model and settings.
+
+    One ``all_gather_object`` of the description; every rank then runs the same comparison on
+    the same data, so every rank raises the same error and none is left waiting.
+    """
+    world = dist.get_world_size(group)
+    gathered: list[Any] = [None] * world
+    dist.all_gather_object(gathered, (rows, settings), group=group)
+    ref_rows, ref_settings = gathered[0]
+    for r in range(1, world):
+        other_rows, other_settings = gathered[r]
+        for key in ref_settings:
+            if other_settings.get(key) != ref_settings[key]:
+                raise ValueError(
+                    f"gradsync: DistributedDataParallel setting {key!r} differs across ranks: "
+                    f"rank 0 has {ref_settings[key]!r}, rank {r} has {other_settings.get(key)!r}"
+                )
+        for a, b in zip(ref_rows, other_rows, strict=False):
+            if a != b:
+                raise ValueError(
+                    f"gradsync: ranks hold different models; first difference at {a[0]} "
+                    f"'{a[1]}' (rank 0: {_fmt(a)}) vs {b[0]} '{b[1]}' (rank {r}: {_fmt(b)})"
+                )
+        if len(ref_rows) != len(other_rows):
+            longer, who = (ref_rows, 0) if len(ref_rows) > len(other_rows) else (other_rows, r)
+            extra = longer[min(len(ref_rows), len(other_rows))]
+            raise ValueError(
+                f"gradsync: ranks hold different models; {extra[0]} '{extra[1]}' exists on rank "
+                f"{who} only (rank 0 has {len(ref_rows)} tensors, rank {r} has {len(other_rows)})"
+            )
+
+
+def _fmt(row: tuple[str, str, tuple[int, ...], str, bool]) -> str:
+    _, _, shape, dtype, requires_grad = row
+    return f"shape {list(shape)}, {dtype}, requires_grad={requires_grad}"
+
+
+def broadcast_from_rank0(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup | None) -> None:
+    """Overwrite ``tensors`` with group rank 0's values: one broadcast per dtype and device.
+
+    Coalescing matters: a BatchNorm model has hundreds of small buffers, and one collective each
+    would cost more than the forward pass.
+    """
+    by_kind: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+    for t in tensors:
+        by_kind.setdefault((t.dtype, t.device), []).append(t)
+    for group_tensors in by_kind.values():
+        flat = torch.cat([t.detach().reshape(-1) for t in group_tensors])
+        dist.broadcast(flat, group=group, group_src=0)
+        offset = 0
+        with torch.no_grad():
+            for t in group_tensors:
+                n = t.numel()
+                t.copy_(flat[offset : offset + n].view_as(t))
+                offset += n
