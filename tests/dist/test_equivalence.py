@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-import toy
 
 import gradsync
 from gradsync.spawn import spawn
+
+import toy
 
 STEPS = 10
 SMALL_CAP_MB = 300 / 2**20  # 300 bytes: buckets of 1-2 parameters in the toy models

@@ -1,0 +1,57 @@
+"""Step time of gradsync against torch DDP and the naive loop, on 2 gloo ranks over loopback.
+
+    python benchmarks/ddp_step_time.py                 # ~20M-parameter GPT, 2 ranks
+    python benchmarks/ddp_step_time.py --rounds 20 --world 2
+
+Prints the median step time of each variant and its ratio to torch's DistributedDataParallel,
+all measured interleaved in one run (see gradsync/bench/steptime.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import platform
+
+import torch
+
+from gradsync.bench.steptime import (
+    StepTimeConfig,
+    markdown_table,
+    num_parameters,
+    run_rank,
+    summarize,
+)
+from gradsync.spawn import spawn
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--world", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--n-layer", type=int, default=6)
+    p.add_argument("--n-embd", type=int, default=512)
+    p.add_argument("--batch-per-rank", type=int, default=4)
+    args = p.parse_args()
+    cfg = StepTimeConfig(
+        n_layer=args.n_layer,
+        n_embd=args.n_embd,
+        batch_per_rank=args.batch_per_rank,
+        rounds=args.rounds,
+        warmup=args.warmup,
+    )
+    n = num_parameters(cfg)
+    print(
+        f"{datetime.date.today()} | {platform.machine()}, torch {torch.__version__}, gloo over "
+        f"loopback, {args.world} ranks x 1 thread | GPT {n / 1e6:.1f}M parameters, batch "
+        f"{cfg.batch_per_rank}x{cfg.block_size} per rank | {cfg.rounds} rounds after "
+        f"{cfg.warmup} warm-up"
+    )
+    times = spawn(run_rank, args.world, (cfg,), pg_timeout_s=300, timeout_s=3600)[0]
+    baseline = "torch DDP default"
+    print(markdown_table(summarize(times, baseline), baseline))
+
+
+if __name__ == "__main__":
+    main()

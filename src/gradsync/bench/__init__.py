@@ -1,0 +1,1 @@
+"""Benchmark harnesses: step time of data-parallel variants, measured side by side."""

@@ -1,0 +1,135 @@
+"""Step time of data-parallel variants, interleaved in one run so they share the machine's noise.
+
+Every rank holds one model replica per variant. Each round times one training step of every
+variant, in a rotating order, each step started by a barrier so that ranks begin together; a
+step's time is the slowest rank's. Medians over rounds are robust to the shared machine's noise,
+and ratios between variants measured in the same rounds are what mean something.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import gradsync
+from gradsync.examples.gpt import GPT, GPTConfig, lm_loss
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One way of synchronising gradients."""
+
+    name: str
+    kind: str  # "naive" (average_gradients), "gradsync", "torch_ddp", or "local" (no sync)
+    bucket_cap_mb: float | None = 25.0
+    algorithm: str = "native"
+
+
+DEFAULT_VARIANTS = (
+    Variant("average_gradients", "naive"),
+    Variant("gradsync bucket_cap_mb=0", "gradsync", 0.0),
+    Variant("gradsync default (25 MB)", "gradsync", 25.0),
+    Variant("torch DDP default", "torch_ddp", 25.0),
+)
+
+
+@dataclass
+class StepTimeConfig:
+    n_layer: int = 6
+    n_embd: int = 512
+    n_head: int = 8
+    vocab_size: int = 64
+    block_size: int = 64
+    batch_per_rank: int = 4
+    """Sequences per rank per step."""
+    warmup: int = 2
+    rounds: int = 10
+    variants: tuple[Variant, ...] = field(default=DEFAULT_VARIANTS)
+
+
+def _build(
+    variant: Variant, cfg: StepTimeConfig
+) -> tuple[nn.Module, nn.Module, Callable[[], None]]:
+    """(model to call, underlying module, what to run after backward)."""
+    torch.manual_seed(0)
+    gpt = GPT(
+        GPTConfig(
+            vocab_size=cfg.vocab_size,
+            block_size=cfg.block_size,
+            n_layer=cfg.n_layer,
+            n_head=cfg.n_head,
+            n_embd=cfg.n_embd,
+        )
+    )
+    if variant.kind == "naive":
+        return gpt, gpt, lambda: gradsync.average_gradients(gpt)
+    if variant.kind == "gradsync":
+        ddp = gradsync.DistributedDataParallel(
+            gpt, bucket_cap_mb=variant.bucket_cap_mb, algorithm=variant.algorithm
+        )
+        return ddp, gpt, lambda: None
+    if variant.kind == "torch_ddp":
+        cap = variant.bucket_cap_mb if variant.bucket_cap_mb is not None else 1e6
+        tddp = torch.nn.parallel.DistributedDataParallel(gpt, bucket_cap_mb=cap)
+        return tddp, gpt, lambda: None
+    if variant.kind == "local":
+        return gpt, gpt, lambda: None
+    raise ValueError(f"unknown variant kind {variant.kind!r}")
+
+
+def run_rank(rank: int, world: int, cfg: StepTimeConfig) -> dict[str, list[float]]:
+    """Rank body (for :func:`gradsync.spawn.spawn` or torchrun): step times per variant."""
+    built = {v.name: _build(v, cfg) for v in cfg.variants}
+    opts = {
+        name: torch.optim.SGD(module.parameters(), lr=1e-4)
+        for name, (_, module, _) in built.items()
+    }
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randint(0, cfg.vocab_size, (cfg.batch_per_rank, cfg.block_size), generator=g)
+    y = torch.randint(0, cfg.vocab_size, (cfg.batch_per_rank, cfg.block_size), generator=g)
+    times: dict[str, list[float]] = {v.name: [] for v in cfg.variants}
+    names = [v.name for v in cfg.variants]
+    for r in range(cfg.warmup + cfg.rounds):
+        for k in range(len(names)):
+            name = names[(r + k) % len(names)]  # rotate who goes first each round
+            model, _, after_backward = built[name]
+            opt = opts[name]
+            dist.barrier()
+            t0 = time.perf_counter()
+            opt.zero_grad()
+            lm_loss(model(x), y).backward()
+            after_backward()
+            opt.step()
+            elapsed = torch.tensor(time.perf_counter() - t0, dtype=torch.float64)
+            dist.all_reduce(
+                elapsed, op=dist.ReduceOp.MAX
+            )  # a step lasts as long as its slowest rank
+            if r >= cfg.warmup:
+                times[name].append(elapsed.item())
+    return times
+
+
+def summarize(times: dict[str, list[float]], baseline: str) -> list[tuple[str, float, float]]:
+    """(variant, median seconds, ratio to the baseline's median) for every variant."""
+    base = statistics.median(times[baseline])
+    return [(name, statistics.median(t), statistics.median(t) / base) for name, t in times.items()]
+
+
+def markdown_table(rows: list[tuple[str, float, float]], baseline: str) -> str:
+    lines = [
+        f"| variant | median step (ms) | ratio to {baseline} |",
+        "|---|---:|---:|",
+    ]
+    lines += [f"| {name} | {med * 1e3:.1f} | {ratio:.3f} |" for name, med, ratio in rows]
+    return "\n".join(lines)
+
+
+def num_parameters(cfg: StepTimeConfig) -> int:
+    gpt = GPT(GPTConfig(cfg.vocab_size, cfg.block_size, cfg.n_layer, cfg.n_head, cfg.n_embd))
+    return sum(p.numel() for p in gpt.parameters())

@@ -1,0 +1,44 @@
+"""The main job, launched exactly as users launch it: torchrun, 2 ranks, gloo on loopback."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.timeout(240)
+def test_train_gpt_matches_single_process(tmp_path: Path) -> None:
+    env = dict(os.environ, OMP_NUM_THREADS="1", TMPDIR=str(tmp_path))
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+        str(ROOT / "examples" / "train_gpt.py"),
+        "--max-steps", "12", "--out", str(tmp_path / "run"), "--timeout-s", "60",
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=220)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    assert "PASS" in out and "float64" in out, out
+    state = torch.load(tmp_path / "run" / "checkpoint.pt", weights_only=True)
+    assert state["step"] == 12
+    assert "tok_emb.weight" in state["model"]  # keys of the unwrapped model, no "module."
+    assert not any(k.startswith("module.") for k in state["model"])
+
+
+@pytest.mark.timeout(120)
+def test_train_gpt_reports_a_wrong_tolerance_as_fail(tmp_path: Path) -> None:
+    # The check can fail: with an impossible tolerance the job exits non-zero with FAIL.
+    env = dict(os.environ, OMP_NUM_THREADS="1", TMPDIR=str(tmp_path))
+    cmd = [
+        sys.executable, str(ROOT / "examples" / "train_gpt.py"),
+        "--max-steps", "2", "--out", str(tmp_path / "run"), "--tolerance", "-1",
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=100)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "FAIL" in proc.stdout

@@ -1,0 +1,70 @@
+"""Bucket planning is pure: checked without any process group."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gradsync.ddp.buckets import MB, cap_to_bytes, plan_buckets
+from gradsync.ddp.wrapper import strip_prefixes
+
+F32 = torch.float32
+
+
+def members(specs):  # type: ignore[no-untyped-def]
+    return [list(s.param_indices) for s in specs]
+
+
+def test_cap_zero_gives_one_bucket_per_parameter_in_reverse_order() -> None:
+    specs = plan_buckets([(10, F32), (20, F32), (30, F32)], 0)
+    assert members(specs) == [[2], [1], [0]]
+
+
+def test_positive_cap_fills_in_reverse_order_without_exceeding_it() -> None:
+    # 4-byte elements: 10, 20, 30, 5 elements = 40, 80, 120, 20 bytes; cap 130 bytes.
+    specs = plan_buckets([(10, F32), (20, F32), (30, F32), (5, F32)], 130)
+    assert members(specs) == [[3], [2], [1, 0]]
+    assert all(s.nbytes <= 130 or len(s.param_indices) == 1 for s in specs)
+    assert [s.offsets for s in specs] == [(0,), (0,), (0, 20)]
+    assert [s.numel for s in specs] == [5, 30, 30]
+
+
+def test_parameter_larger_than_cap_gets_its_own_bucket() -> None:
+    specs = plan_buckets([(1, F32), (1000, F32), (1, F32)], 16)
+    assert members(specs) == [[2], [1], [0]]
+
+
+def test_none_is_one_bucket_per_dtype() -> None:
+    specs = plan_buckets([(3, F32), (4, torch.bfloat16), (5, F32)], None)
+    assert sorted(members(specs)) == [[1], [2, 0]]
+    assert {s.dtype for s in specs} == {F32, torch.bfloat16}
+
+
+def test_mixed_dtypes_never_share_a_bucket() -> None:
+    params = [(8, F32), (8, torch.float64), (8, F32), (8, torch.float64)]
+    for cap in (0, 64, 10 * MB, None):
+        for spec in plan_buckets(params, cap):
+            assert {params[i][1] for i in spec.param_indices} == {spec.dtype}
+
+
+def test_every_parameter_is_planned_exactly_once() -> None:
+    params = [(n, F32) for n in (7, 1, 300, 2, 2, 64, 9)]
+    for cap in (0, 8, 40, 1000, None):
+        planned = sorted(i for s in plan_buckets(params, cap) for i in s.param_indices)
+        assert planned == list(range(len(params)))
+
+
+def test_cap_units_and_validation() -> None:
+    assert cap_to_bytes(25.0) == 25 * 1024 * 1024
+    assert cap_to_bytes(None) is None
+    with pytest.raises(ValueError, match="bucket_cap_mb"):
+        cap_to_bytes(-1)
+
+
+def test_strip_prefixes() -> None:
+    plain = {"a.weight": 1, "b": 2}
+    assert strip_prefixes(plain) == plain
+    assert strip_prefixes({f"module.{k}": v for k, v in plain.items()}) == plain
+    assert strip_prefixes({f"module._orig_mod.{k}": v for k, v in plain.items()}) == plain
+    mixed = {"module.a": 1, "b": 2}  # not every key prefixed: left alone
+    assert strip_prefixes(mixed) == mixed
