@@ -16,7 +16,9 @@ import platform
 import torch
 
 from gradsync.bench.steptime import (
+    DEFAULT_VARIANTS,
     StepTimeConfig,
+    Variant,
     markdown_table,
     num_parameters,
     run_rank,
@@ -33,22 +35,37 @@ def main() -> None:
     p.add_argument("--n-layer", type=int, default=6)
     p.add_argument("--n-embd", type=int, default=512)
     p.add_argument("--batch-per-rank", type=int, default=4)
+    p.add_argument("--block-size", type=int, default=64)
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cuda uses nccl")
+    p.add_argument(
+        "--with-local", action="store_true", help="also time a step with no communication"
+    )
     args = p.parse_args()
+    variants = DEFAULT_VARIANTS + (
+        (Variant("no sync (local)", "local"),) if args.with_local else ()
+    )
     cfg = StepTimeConfig(
         n_layer=args.n_layer,
         n_embd=args.n_embd,
         batch_per_rank=args.batch_per_rank,
         rounds=args.rounds,
         warmup=args.warmup,
+        block_size=args.block_size,
+        device=args.device,
+        variants=variants,
     )
     n = num_parameters(cfg)
     print(
-        f"{datetime.date.today()} | {platform.machine()}, torch {torch.__version__}, gloo over "
-        f"loopback, {args.world} ranks x 1 thread | GPT {n / 1e6:.1f}M parameters, batch "
+        f"{datetime.date.today()} | {platform.machine()}, torch {torch.__version__}, "
+        f"{args.device}, {'nccl' if args.device == 'cuda' else 'gloo over loopback'}, "
+        f"{args.world} ranks x 1 thread | GPT {n / 1e6:.1f}M parameters, batch "
         f"{cfg.batch_per_rank}x{cfg.block_size} per rank | {cfg.rounds} rounds after "
         f"{cfg.warmup} warm-up"
     )
-    times = spawn(run_rank, args.world, (cfg,), pg_timeout_s=300, timeout_s=3600)[0]
+    backend = "nccl" if args.device == "cuda" else "gloo"
+    times = spawn(run_rank, args.world, (cfg,), pg_timeout_s=300, timeout_s=3600, backend=backend)[
+        0
+    ]
     baseline = "torch DDP default"
     print(markdown_table(summarize(times, baseline), baseline))
 

@@ -54,11 +54,14 @@ def _rank_entry(
     init_file: str,
     pg_timeout_s: float,
     results: Any,
+    backend: str,
 ) -> None:
     torch.set_num_threads(1)
     try:
+        if backend == "nccl":
+            torch.cuda.set_device(rank % torch.cuda.device_count())
         dist.init_process_group(
-            "gloo",
+            backend,
             init_method=f"file://{init_file}",
             rank=rank,
             world_size=world_size,
@@ -86,10 +89,12 @@ def spawn(
     pg_timeout_s: float = 20.0,
     timeout_s: float = 240.0,
     return_failures: bool = False,
+    backend: str = "gloo",
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return each result.
 
-    ``fn`` must be importable by name (a module-level function). On failure raises
+    ``fn`` must be importable by name (a module-level function). ``backend="nccl"`` puts rank
+    ``r`` on GPU ``r % device_count``. On failure raises
     :class:`SpawnError` naming the rank, unless ``return_failures`` is set, in which case a failed
     rank's entry in the returned list is its :class:`RankFailure`. A rank that neither returns nor
     raises within ``timeout_s`` is killed and reported as a failure.
@@ -105,7 +110,7 @@ def spawn(
         procs = [
             ctx.Process(
                 target=_rank_entry,
-                args=(rank, world_size, fn, args, init_file, pg_timeout_s, results),
+                args=(rank, world_size, fn, args, init_file, pg_timeout_s, results, backend),
                 daemon=True,
             )
             for rank in range(world_size)

@@ -50,6 +50,8 @@ class StepTimeConfig:
     """Sequences per rank per step."""
     warmup: int = 2
     rounds: int = 10
+    device: str = "cpu"
+    """"cpu", or "cuda" for rank r on GPU r (one rank per GPU, nccl)."""
     variants: tuple[Variant, ...] = field(default=DEFAULT_VARIANTS)
 
 
@@ -66,7 +68,7 @@ def _build(
             n_head=cfg.n_head,
             n_embd=cfg.n_embd,
         )
-    )
+    ).to(_device(cfg))
     if variant.kind == "naive":
         return gpt, gpt, lambda: gradsync.average_gradients(gpt)
     if variant.kind == "gradsync":
@@ -83,6 +85,12 @@ def _build(
     raise ValueError(f"unknown variant kind {variant.kind!r}")
 
 
+def _device(cfg: StepTimeConfig) -> torch.device:
+    if cfg.device == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(cfg.device)
+
+
 def run_rank(rank: int, world: int, cfg: StepTimeConfig) -> dict[str, list[float]]:
     """Rank body (for :func:`gradsync.spawn.spawn` or torchrun): step times per variant."""
     built = {v.name: _build(v, cfg) for v in cfg.variants}
@@ -91,8 +99,10 @@ def run_rank(rank: int, world: int, cfg: StepTimeConfig) -> dict[str, list[float
         for name, (_, module, _) in built.items()
     }
     g = torch.Generator().manual_seed(rank)
-    x = torch.randint(0, cfg.vocab_size, (cfg.batch_per_rank, cfg.block_size), generator=g)
-    y = torch.randint(0, cfg.vocab_size, (cfg.batch_per_rank, cfg.block_size), generator=g)
+    shape = (cfg.batch_per_rank, cfg.block_size)
+    x = torch.randint(0, cfg.vocab_size, shape, generator=g).to(_device(cfg))
+    y = torch.randint(0, cfg.vocab_size, shape, generator=g).to(_device(cfg))
+    sync = torch.cuda.synchronize if cfg.device == "cuda" else (lambda: None)
     times: dict[str, list[float]] = {v.name: [] for v in cfg.variants}
     names = [v.name for v in cfg.variants]
     for r in range(cfg.warmup + cfg.rounds):
@@ -100,13 +110,15 @@ def run_rank(rank: int, world: int, cfg: StepTimeConfig) -> dict[str, list[float
             name = names[(r + k) % len(names)]  # rotate who goes first each round
             model, _, after_backward = built[name]
             opt = opts[name]
+            sync()
             dist.barrier()
             t0 = time.perf_counter()
             opt.zero_grad()
             lm_loss(model(x), y).backward()
             after_backward()
             opt.step()
-            elapsed = torch.tensor(time.perf_counter() - t0, dtype=torch.float64)
+            sync()  # GPU work is asynchronous: the step ends when the device is done
+            elapsed = torch.tensor(time.perf_counter() - t0, dtype=torch.float64, device=x.device)
             dist.all_reduce(
                 elapsed, op=dist.ReduceOp.MAX
             )  # a step lasts as long as its slowest rank

@@ -64,6 +64,7 @@ class Bucket:
         self.ready = [False] * len(self.params)
         self.had_grad = [False] * len(self.params)
         self.pending = len(self.params)
+        self.filled_late = False  # some slot was filled at the end of backward, not by a hook
         self.work = None
 
     def mark_param_as_ready(self, slot: int, as_view: bool) -> None:
@@ -173,8 +174,11 @@ class Reducer:
             self.next_bucket += 1
 
     def _launch(self, bucket: Bucket) -> None:
-        flags = [1.0 if self.used[i] else 0.0 for i in bucket.spec.param_indices]
-        bucket.used_flags.copy_(torch.tensor(flags, dtype=bucket.buffer.dtype))
+        if bucket.filled_late:
+            flags = [1.0 if self.used[i] else 0.0 for i in bucket.spec.param_indices]
+            bucket.used_flags.copy_(torch.tensor(flags, dtype=bucket.buffer.dtype))
+        else:  # every slot was filled by its hook: all used (no host-to-device copy needed)
+            bucket.used_flags.fill_(1.0)
         if self.reduction == "mean":
             # Divide before the sum, as torch DDP does: keeps low-precision sums in range.
             bucket.grads.div_(self.world_size)
@@ -192,17 +196,22 @@ class Reducer:
             for bucket in self.buckets[self.next_bucket :]:
                 for slot in range(len(bucket.params)):
                     if not bucket.ready[slot]:
+                        bucket.filled_late = True
                         bucket.mark_param_as_ready(slot, as_view=False)
             self._launch_ready_buckets()
             assert self.next_bucket == len(self.buckets)
             for bucket in self.buckets:
                 assert bucket.work is not None
                 bucket.work.wait()
-            counts = [b.used_flags.tolist() for b in self.buckets]
+            # One device-to-host read for all flags (on CUDA a sync point, so only one).
+            flat = torch.cat([b.used_flags for b in self.buckets]).tolist()
+            counts, start = [], 0
+            for bucket in self.buckets:
+                counts.append(flat[start : start + len(bucket.params)])
+                start += len(bucket.params)
             if not self.find_unused_parameters:
                 self._raise_if_unused(counts)
-            for bucket, bucket_counts in zip(self.buckets, counts, strict=True):
-                self._write_back(bucket, bucket_counts)
+            self._write_back(counts)
             self.num_reductions += 1
         finally:
             for bucket in self.buckets:
@@ -211,18 +220,24 @@ class Reducer:
             self.used = [False] * len(self.params)
             self.phase = _Phase.UNPREPARED
 
-    def _write_back(self, bucket: Bucket, counts: list[float]) -> None:
-        for slot, param in enumerate(bucket.params):
-            if counts[slot] == 0:
-                # Unused on every rank: like single-process training, leave .grad as it was.
-                continue
-            view = bucket.views[slot]
-            if self.gradient_as_bucket_view:
-                param.grad = view
-            elif param.grad is None:
-                param.grad = view.clone()
-            else:
-                param.grad.copy_(view)
+    def _write_back(self, counts: list[list[float]]) -> None:
+        copy_dst: list[torch.Tensor] = []
+        copy_src: list[torch.Tensor] = []
+        for bucket, bucket_counts in zip(self.buckets, counts, strict=True):
+            for slot, param in enumerate(bucket.params):
+                if bucket_counts[slot] == 0:
+                    # Unused on every rank: like single-process training, leave .grad as it was.
+                    continue
+                view = bucket.views[slot]
+                if self.gradient_as_bucket_view:
+                    param.grad = view
+                elif param.grad is None:
+                    param.grad = view.clone()
+                else:
+                    copy_dst.append(param.grad)
+                    copy_src.append(view)
+        if copy_dst:
+            torch._foreach_copy_(copy_dst, copy_src)  # one call instead of one per parameter
 
     def _raise_if_unused(self, counts: list[list[float]]) -> None:
         missing = [
