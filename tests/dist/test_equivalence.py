@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import gradsync
+import gradsync.comm
 from gradsync.spawn import spawn
 
 import toy
@@ -14,11 +15,24 @@ STEPS = 10
 SMALL_CAP_MB = 300 / 2**20  # 300 bytes: buckets of 1-2 parameters in the toy models
 CAPS = (0, SMALL_CAP_MB, 25.0, None)
 CASES = [
-    (kind, opt, cap, find_unused)
+    (kind, opt, cap, find_unused, "native")
     for kind, find_unused in (("plain", False), ("bn", False), ("routed_unused", True))
     for opt in ("sgd", "adamw")
     for cap in CAPS
+] + [
+    # gradsync's own all-reduce algorithms, every bucket through them.
+    ("plain", "sgd", SMALL_CAP_MB, False, "ring"),
+    ("routed_unused", "adamw", 0, True, "ring"),
+    ("plain", "adamw", SMALL_CAP_MB, False, "hierarchical"),
+    ("bn", "sgd", 25.0, False, "hierarchical"),
 ]
+
+
+def make_algorithm(name: str, world: int) -> str | gradsync.comm.AllReduceAlgorithm:
+    if name == "hierarchical" and world % 2 == 0:  # two "nodes" of world/2 ranks
+        return gradsync.comm.HierarchicalAllReduce(local_world_size=world // 2)
+    return name
+
 
 # fp32 parameters of order 1 after 10 steps. The N-rank run sums per-rank partial gradients where
 # the reference sums over the whole batch in one matmul, so each gradient differs by a few ulps
@@ -30,12 +44,15 @@ TOL = {"plain": 2e-6, "routed_unused": 2e-6, "bn": 2e-4}
 
 def _train(rank: int, world: int) -> dict:
     results = {}
-    for kind, opt_name, cap, find_unused in CASES:
+    for kind, opt_name, cap, find_unused, algorithm in CASES:
         # Each rank starts from different weights: the wrapper must broadcast rank 0's.
         model = toy.make_model(kind, seed=rank)
         frozen_before = model.frozen.weight.clone()
         ddp = gradsync.DistributedDataParallel(
-            model, bucket_cap_mb=cap, find_unused_parameters=find_unused
+            model,
+            bucket_cap_mb=cap,
+            find_unused_parameters=find_unused,
+            algorithm=make_algorithm(algorithm, world),
         )
         opt = toy.make_optimizer(opt_name, ddp.parameters())
         for step in range(STEPS):
@@ -44,7 +61,7 @@ def _train(rank: int, world: int) -> dict:
             loss.backward()
             opt.step()
         unused_grad = model.unused.weight.grad if model.unused is not None else None
-        results[(kind, opt_name, cap)] = {
+        results[(kind, opt_name, cap, algorithm)] = {
             "params": {n: p.detach().clone() for n, p in model.named_parameters()},
             "buffers": {n: b.clone() for n, b in model.named_buffers()},
             "num_buckets": ddp.num_buckets,
@@ -65,11 +82,11 @@ def test_training_equals_single_process(world: int) -> None:
     per_rank = spawn(_train, world, timeout_s=220)
     references = {
         (kind, opt_name): toy.train_reference(kind, opt_name, STEPS, world)
-        for kind, opt_name, _, _ in CASES
+        for kind, opt_name, _, _, _ in CASES
     }
     for rank, results in enumerate(per_rank):
-        for (kind, opt_name, cap), r in results.items():
-            case = f"world={world} rank={rank} {kind} {opt_name} bucket_cap_mb={cap}"
+        for (kind, opt_name, cap, algorithm), r in results.items():
+            case = f"world={world} rank={rank} {kind} {opt_name} bucket_cap_mb={cap} {algorithm}"
             reference = references[(kind, opt_name)]
             diff = toy.max_diff(r["params"], {n: reference[n] for n in r["params"]})
             assert diff <= TOL[kind], f"{case}: max parameter difference {diff:.3g}"

@@ -112,3 +112,39 @@ def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     assert a.keys() == b.keys()
     diffs = [(a[k].double() - b[k].double()).abs().max().item() for k in a if a[k].numel()]
     return max(diffs, default=0.0)
+
+
+class TokenNet(nn.Module):
+    """A per-token language-model head: every valid token contributes its own loss term."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.body = nn.Linear(DIM, DIM)
+        self.head = nn.Linear(DIM, VOCAB)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.body(self.embed(tokens))))
+
+
+def make_token_model(seed: int = 0) -> TokenNet:
+    torch.manual_seed(seed)
+    return TokenNet()
+
+
+def padded_batch(lengths: list[int], seed: int, max_len: int | None = None):  # type: ignore[no-untyped-def]
+    """Sequences of the given lengths, padded; targets of padding are -1 (ignored)."""
+    g = torch.Generator().manual_seed(seed)
+    t = max_len or max(lengths)
+    tokens = torch.randint(0, VOCAB, (len(lengths), t), generator=g)
+    targets = torch.randint(0, VOCAB, (len(lengths), t), generator=g)
+    for i, n in enumerate(lengths):
+        targets[i, n:] = -1
+    return tokens, targets
+
+
+def token_loss_sum(model: nn.Module, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    logits = model(tokens)
+    return F.cross_entropy(
+        logits.reshape(-1, VOCAB), targets.reshape(-1), ignore_index=-1, reduction="sum"
+    )

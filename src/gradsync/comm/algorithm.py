@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Literal, Protocol
 
 import torch
@@ -19,9 +20,13 @@ REDUCE_OPS: tuple[str, ...] = ("sum", "avg")
 
 
 class Handle(Protocol):
-    """What an asynchronous all-reduce returns; ``wait()`` blocks until the result is in place."""
+    """What an asynchronous all-reduce returns; ``wait()`` blocks until the result is in place.
 
-    def wait(self) -> object: ...
+    ``wait(timeout)`` raises ``RuntimeError`` if the result is not there within ``timeout``, as
+    ``dist.Work.wait`` does: gradsync's deadlines are built on it.
+    """
+
+    def wait(self, timeout: timedelta | None = None) -> object: ...
 
 
 @dataclass

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 import torch
 import torch.distributed as dist
 
@@ -21,9 +23,12 @@ class _DivideOnWait:
         self._divisor = divisor
         self._done = False
 
-    def wait(self) -> bool:
+    def wait(self, timeout: timedelta | None = None) -> bool:
         if not self._done:
-            self._work.wait()
+            if timeout is None:
+                self._work.wait()
+            else:
+                self._work.wait(timeout=timeout)
             self._tensor.div_(self._divisor)
             self._done = True
         return True

@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Callable, Sequence
+from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -30,10 +32,15 @@ from torch import nn
 
 from gradsync.comm import AllReduceAlgorithm, Handle
 from gradsync.ddp.buckets import BucketSpec
+from gradsync.ddp.deadline import wait_or_raise
 
 
 class UnusedParametersError(RuntimeError):
     """Some parameter got no gradient on some rank while ``find_unused_parameters=False``."""
+
+
+class NonFiniteGradientError(RuntimeError):
+    """A gradient held NaN or Inf before communication (``check_finite=True``)."""
 
 
 class _Phase(enum.Enum):
@@ -67,12 +74,12 @@ class Bucket:
         self.filled_late = False  # some slot was filled at the end of backward, not by a hook
         self.work = None
 
-    def mark_param_as_ready(self, slot: int, as_view: bool) -> None:
-        """Put ``params[slot].grad`` (zeros if it has none) into the buffer."""
+    def mark_param_as_ready(self, slot: int, as_view: bool, zeros: bool = False) -> None:
+        """Put ``params[slot].grad`` (zeros if it has none, or if ``zeros``) into the buffer."""
         assert not self.ready[slot], "a parameter was marked ready twice in one backward"
         param, view = self.params[slot], self.views[slot]
         grad = param.grad
-        if grad is None:
+        if grad is None or zeros:
             view.zero_()
         else:
             if grad.data_ptr() != view.data_ptr():
@@ -97,6 +104,8 @@ class Reducer:
         reduction: str,
         find_unused_parameters: bool,
         gradient_as_bucket_view: bool,
+        timeout: timedelta,
+        check_finite: bool = False,
     ) -> None:
         self.names = [n for n, _ in named_params]
         self.params = [p for _, p in named_params]
@@ -105,6 +114,8 @@ class Reducer:
         self.reduction = reduction
         self.find_unused_parameters = find_unused_parameters
         self.gradient_as_bucket_view = gradient_as_bucket_view
+        self.timeout = timeout
+        self.check_finite = check_finite
         self.world_size = dist.get_world_size(process_group)
         self.rank = dist.get_rank(process_group)
         self.buckets = [Bucket(s, [self.params[i] for i in s.param_indices]) for s in specs]
@@ -117,6 +128,15 @@ class Reducer:
         self.next_bucket = 0
         self.used = [False] * len(self.params)  # used during the current accumulation window
         self.num_reductions = 0  # completed synchronised backward passes, for tests and logs
+        # Ranks that contribute data to the coming reduction: fewer than world_size once some
+        # ranks have run out of data and joined (see join.py); they contribute zeros.
+        self.num_active = self.world_size
+        # reduction="item_mean": items declared on this rank in this window, and the exchange.
+        device = self.params[0].device if self.params else torch.device("cpu")
+        self.local_items = 0.0
+        self._items = torch.zeros(1, dtype=torch.float64, device=device)
+        self._items_work: Handle | None = None
+        self._local_nonfinite: list[str] = []
         self._handles = [
             p.register_post_accumulate_grad_hook(self._make_hook(i))
             for i, p in enumerate(self.params)
@@ -130,6 +150,17 @@ class Reducer:
                 "gradsync: forward called while a synchronised backward is still running"
             )
         self.phase = _Phase.ARMED if sync else _Phase.ACCUMULATING
+
+    def count_items(self, num_items: float) -> None:
+        """Declare that the current micro-batch's (sum-reduced) loss covers ``num_items`` items."""
+        if self.reduction != "item_mean":
+            raise ValueError(
+                f"gradsync: count_items() needs reduction='item_mean' (this wrapper has "
+                f"reduction={self.reduction!r})"
+            )
+        if num_items < 0:
+            raise ValueError(f"gradsync: count_items() got a negative count {num_items}")
+        self.local_items += float(num_items)
 
     # -- backward side --------------------------------------------------------------------
     def _make_hook(self, index: int) -> Callable[[torch.Tensor], None]:
@@ -152,6 +183,7 @@ class Reducer:
             )
         if self.phase is _Phase.ARMED:
             self.phase = _Phase.REDUCING
+            self._launch_items_exchange(self.local_items)
             # Runs once the whole backward pass has finished, on the engine's thread.
             torch.autograd.Variable._execution_engine.queue_callback(
                 self.finish_gradient_synchronization
@@ -173,7 +205,15 @@ class Reducer:
             self._launch(self.buckets[self.next_bucket])
             self.next_bucket += 1
 
+    def _launch_items_exchange(self, local_items: float) -> None:
+        # One small all-reduce per optimizer step, issued before the first bucket on every rank.
+        if self.reduction == "item_mean":
+            self._items.fill_(local_items)
+            self._items_work = dist.all_reduce(self._items, group=self.process_group, async_op=True)
+
     def _launch(self, bucket: Bucket) -> None:
+        if self.check_finite:
+            self._check_finite_locally(bucket)
         if bucket.filled_late:
             flags = [1.0 if self.used[i] else 0.0 for i in bucket.spec.param_indices]
             bucket.used_flags.copy_(torch.tensor(flags, dtype=bucket.buffer.dtype))
@@ -181,7 +221,7 @@ class Reducer:
             bucket.used_flags.fill_(1.0)
         if self.reduction == "mean":
             # Divide before the sum, as torch DDP does: keeps low-precision sums in range.
-            bucket.grads.div_(self.world_size)
+            bucket.grads.div_(self.num_active)
         bucket.work = self.algorithm.all_reduce(bucket.buffer, "sum", self.process_group)
 
     def finish_gradient_synchronization(self) -> None:
@@ -191,34 +231,103 @@ class Reducer:
         """
         if self.phase is not _Phase.REDUCING:
             return
+        self._complete(shadow=False, write_back=True)
+
+    def shadow_backward(self, num_active: int, write_back: bool) -> None:
+        """Take part in the other ranks' reduction with zeros: this rank has run out of data.
+
+        Issues exactly the collectives of a synchronised backward (see join.py). With
+        ``write_back`` the reduced gradients land in ``.grad``, so an optimizer step keeps this
+        replica in step with the others.
+        """
+        self.num_active = num_active
+        self.phase = _Phase.REDUCING
+        self._launch_items_exchange(0.0)
+        self._complete(shadow=True, write_back=write_back)
+
+    def _complete(self, shadow: bool, write_back: bool) -> None:
         try:
             # Buckets holding parameters without a gradient in this pass never filled up.
             for bucket in self.buckets[self.next_bucket :]:
                 for slot in range(len(bucket.params)):
                     if not bucket.ready[slot]:
                         bucket.filled_late = True
-                        bucket.mark_param_as_ready(slot, as_view=False)
+                        bucket.mark_param_as_ready(slot, as_view=False, zeros=shadow)
+            if shadow:
+                self.used = [False] * len(self.params)
             self._launch_ready_buckets()
             assert self.next_bucket == len(self.buckets)
+            step = f"step {self.num_reductions}"
+            if self._items_work is not None:
+                wait_or_raise(self._items_work, self.timeout, f"the item count ({step})", self.rank)
             for bucket in self.buckets:
                 assert bucket.work is not None
-                bucket.work.wait()
-            # One device-to-host read for all flags (on CUDA a sync point, so only one).
-            flat = torch.cat([b.used_flags for b in self.buckets]).tolist()
+                what = f"the all-reduce of bucket {bucket.spec.index} ({step})"
+                wait_or_raise(bucket.work, self.timeout, what, self.rank)
+            # One device-to-host read for flags and checks (on CUDA a sync point, so only one).
+            parts = [b.used_flags for b in self.buckets]
+            if self.check_finite:
+                parts += [torch.isfinite(b.grads).all().to(b.buffer.dtype) for b in self.buckets]
+            if self.reduction == "item_mean":
+                parts.append(self._items)
+            flat = torch.cat([p.reshape(-1).to(torch.float64) for p in parts]).tolist()
             counts, start = [], 0
             for bucket in self.buckets:
                 counts.append(flat[start : start + len(bucket.params)])
                 start += len(bucket.params)
+            if self.check_finite:
+                finite = flat[start : start + len(self.buckets)]
+                start += len(self.buckets)
+                if not all(finite):
+                    self._raise_nonfinite(finite)
             if not self.find_unused_parameters:
                 self._raise_if_unused(counts)
-            self._write_back(counts)
+            if self.reduction == "item_mean":
+                self._divide_by_items(self._items.item())
+            if write_back:
+                self._write_back(counts)
             self.num_reductions += 1
         finally:
             for bucket in self.buckets:
                 bucket.reset()
             self.next_bucket = 0
             self.used = [False] * len(self.params)
+            self.local_items = 0.0
+            self._items_work = None
+            self._local_nonfinite = []
             self.phase = _Phase.UNPREPARED
+
+    def _divide_by_items(self, total: float) -> None:
+        if total <= 0:
+            # Every rank read the same total, so every rank raises here.
+            raise ValueError(
+                "gradsync: reduction='item_mean' but no rank declared any items in this "
+                "accumulation window; call model.count_items(n) for every micro-batch"
+            )
+        for bucket in self.buckets:
+            bucket.grads.div_(total)
+
+    def _check_finite_locally(self, bucket: Bucket) -> None:
+        # Opt-in: one device-to-host read per bucket, to name the parameters before they mix.
+        finite = torch.stack([torch.isfinite(v).all() for v in bucket.views]).tolist()
+        self._local_nonfinite += [
+            f"{self.names[i]} (bucket {bucket.spec.index})"
+            for i, ok in zip(bucket.spec.param_indices, finite, strict=True)
+            if not ok
+        ]
+
+    def _raise_nonfinite(self, finite: list[float]) -> None:
+        # NaN/Inf survive the sum, so every rank sees the same non-finite buckets and arrives.
+        per_rank: list[Any] = [None] * self.world_size
+        dist.all_gather_object(per_rank, self._local_nonfinite, group=self.process_group)
+        bad = [b for b, ok in enumerate(finite) if not ok]
+        lines = [f"  rank {r}: {names}" for r, names in enumerate(per_rank) if names]
+        raise NonFiniteGradientError(
+            f"gradsync: NaN/Inf gradients in bucket(s) {bad} (seen from rank {self.rank}); "
+            "before communication they were in:\n" + "\n".join(lines) + "\nParameters are "
+            "unchanged. Every rank raised this error, so catching it on every rank and calling "
+            "optimizer.zero_grad() skips the step consistently."
+        )
 
     def _write_back(self, counts: list[list[float]]) -> None:
         copy_dst: list[torch.Tensor] = []
@@ -244,7 +353,7 @@ class Reducer:
             self.names[i]
             for bucket, bucket_counts in zip(self.buckets, counts, strict=True)
             for i, c in zip(bucket.spec.param_indices, bucket_counts, strict=True)
-            if c < self.world_size
+            if c < self.num_active
         ]
         if not missing:
             return

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from gradsync.ddp.deadline import wait_or_raise
 
 
 def describe(
@@ -63,8 +66,14 @@ def _fmt(row: tuple[str, str, tuple[int, ...], str, bool]) -> str:
     return f"shape {list(shape)}, {dtype}, requires_grad={requires_grad}"
 
 
-def broadcast_from_rank0(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup | None) -> None:
-    """Overwrite ``tensors`` with group rank 0's values: one broadcast per dtype and device.
+def broadcast_from(
+    tensors: Sequence[torch.Tensor],
+    group: dist.ProcessGroup | None,
+    src: int = 0,
+    timeout: timedelta | None = None,
+    what: str = "a broadcast",
+) -> None:
+    """Overwrite ``tensors`` with group rank ``src``'s values: one broadcast per dtype and device.
 
     Coalescing matters: a BatchNorm model has hundreds of small buffers, and one collective each
     would cost more than the forward pass.
@@ -74,7 +83,12 @@ def broadcast_from_rank0(tensors: Sequence[torch.Tensor], group: dist.ProcessGro
         by_kind.setdefault((t.dtype, t.device), []).append(t)
     for group_tensors in by_kind.values():
         flat = torch.cat([t.detach().reshape(-1) for t in group_tensors])
-        dist.broadcast(flat, group=group, group_src=0)
+        work = dist.broadcast(flat, group=group, group_src=src, async_op=True)
+        assert work is not None
+        if timeout is None:
+            work.wait()
+        else:
+            wait_or_raise(work, timeout, what, dist.get_rank(group))
         offset = 0
         with torch.no_grad():
             for t in group_tensors:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -17,10 +18,13 @@ from torch import nn
 
 from gradsync.comm import AllReduceAlgorithm, get_algorithm
 from gradsync.ddp.buckets import BucketSpec, cap_to_bytes, plan_buckets
+from gradsync.ddp.deadline import as_timedelta
+from gradsync.ddp.diagnostics import check_replicas, warn_if_same_batch
+from gradsync.ddp.join import JoinProtocol
 from gradsync.ddp.reducer import Reducer
-from gradsync.ddp.replicas import broadcast_from_rank0, check_same_model, describe
+from gradsync.ddp.replicas import broadcast_from, check_same_model, describe
 
-REDUCTIONS = ("mean", "sum")
+REDUCTIONS = ("mean", "sum", "item_mean")
 _PREFIXES = ("module.", "_orig_mod.")  # added by wrapping in DDP and by torch.compile
 
 
@@ -41,9 +45,19 @@ class DistributedDataParallel(nn.Module):
         broadcast_buffers: before each training-mode forward with grad enabled, copy rank 0's
             buffers (e.g. BatchNorm running statistics) to every rank.
         reduction: ``"mean"`` averages gradients over ranks (for mean-reduced losses);
-            ``"sum"`` sums them (for sum-reduced losses).
+            ``"sum"`` sums them (for sum-reduced losses); ``"item_mean"`` divides the sum by the
+            number of items (samples, tokens) declared with :meth:`count_items` on all ranks
+            and micro-batches of the optimizer step: the exact global mean, whatever the split
+            (use with sum-reduced losses).
         algorithm: the all-reduce used for every bucket: a name from ``gradsync.comm.ALGORITHMS``
             or an :class:`~gradsync.comm.AllReduceAlgorithm` instance.
+        timeout: deadline (seconds or ``timedelta``) for each of gradsync's collectives; past it
+            every waiting rank raises ``CollectiveTimeoutError`` saying what it waited for.
+        check_finite: check each bucket for NaN/Inf before communication; on a hit every rank
+            raises ``NonFiniteGradientError`` naming rank, bucket and parameter (costs one
+            device-to-host sync per bucket).
+        check_replicas_every: every this many optimizer steps, compare parameter checksums
+            across ranks (:meth:`check_replicas`) at the next forward; 0 disables.
     """
 
     def __init__(
@@ -57,6 +71,9 @@ class DistributedDataParallel(nn.Module):
         broadcast_buffers: bool = True,
         reduction: str = "mean",
         algorithm: str | AllReduceAlgorithm = "native",
+        timeout: float | timedelta = 300.0,
+        check_finite: bool = False,
+        check_replicas_every: int = 0,
     ) -> None:
         super().__init__()
         if not dist.is_initialized():
@@ -71,6 +88,8 @@ class DistributedDataParallel(nn.Module):
         self.reduction = reduction
         self.broadcast_buffers = broadcast_buffers
         self.algorithm = get_algorithm(algorithm)
+        self.timeout = as_timedelta(timeout)
+        self.check_replicas_every = check_replicas_every
         cap_bytes = cap_to_bytes(bucket_cap_mb)
 
         named_params = list(module.named_parameters())
@@ -84,8 +103,11 @@ class DistributedDataParallel(nn.Module):
             "algorithm": self.algorithm.name,
         }
         check_same_model(describe(named_params, named_buffers), settings, process_group)
-        broadcast_from_rank0(
-            [p.data for _, p in named_params] + [b for _, b in named_buffers], process_group
+        broadcast_from(
+            [p.data for _, p in named_params] + [b for _, b in named_buffers],
+            process_group,
+            timeout=self.timeout,
+            what="the initial broadcast of rank 0's parameters and buffers",
         )
         self._buffers_to_sync = [b for _, b in named_buffers]
 
@@ -102,16 +124,110 @@ class DistributedDataParallel(nn.Module):
             reduction=reduction,
             find_unused_parameters=find_unused_parameters,
             gradient_as_bucket_view=gradient_as_bucket_view,
+            timeout=self.timeout,
+            check_finite=check_finite,
         )
         self._require_sync = True
+        self._first_batch_checked = False
+        self._replicas_checked_at = 0
+        self._join_protocol: JoinProtocol | None = None  # created by the first join()
+        self._joining = False
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        # Eval and no_grad forwards issue no collectives: rank-0-only evaluation is safe.
         if torch.is_grad_enabled():
-            # Eval and no_grad forwards issue no collectives: rank-0-only evaluation is safe.
-            if self.broadcast_buffers and self.module.training and self._buffers_to_sync:
-                broadcast_from_rank0(self._buffers_to_sync, self.process_group)
+            broadcast = (
+                self.broadcast_buffers and self.module.training and bool(self._buffers_to_sync)
+            )
+            if self._joining:
+                assert self._join_protocol is not None
+                num_active, _, _ = self._join_protocol.handshake(
+                    True, self._require_sync, broadcast
+                )
+                self.reducer.num_active = num_active
+            if not self._first_batch_checked:
+                self._first_batch_checked = True
+                warn_if_same_batch((args, kwargs), self.process_group)
+            steps = self.reducer.num_reductions
+            if self.check_replicas_every and steps and steps % self.check_replicas_every == 0:
+                if self._replicas_checked_at != steps:
+                    self._replicas_checked_at = steps
+                    self.check_replicas()
+            if broadcast:
+                self._broadcast_buffers()
             self.reducer.prepare_for_backward(sync=self._require_sync)
         return self.module(*args, **kwargs)
+
+    def _broadcast_buffers(self, src: int = 0) -> None:
+        what = f"the broadcast of rank {src}'s buffers before a training forward"
+        broadcast_from(self._buffers_to_sync, self.process_group, src, self.timeout, what)
+
+    def count_items(self, num_items: float) -> None:
+        """Declare how many items (samples, valid tokens) this micro-batch's summed loss covers.
+
+        With ``reduction="item_mean"`` the synchronised gradient is the sum over every rank and
+        micro-batch of the optimizer step divided by the total of these counts: the exact mean
+        over items, however they are split across ranks and accumulation steps. The totals are
+        exchanged in one small all-reduce per optimizer step.
+        """
+        self.reducer.count_items(num_items)
+
+    def check_replicas(self) -> None:
+        """Raise ``ReplicaMismatchError`` on every rank unless all replicas are bit-identical.
+
+        Compares parameters, and buffers too when ``broadcast_buffers=False`` (with it, buffers
+        are rank 0's at every forward and legitimately differ in between).
+        """
+        named: list[tuple[str, torch.Tensor]] = list(self.module.named_parameters())
+        if not self.broadcast_buffers:
+            named += list(self.module.named_buffers())
+        check_replicas(named, self.process_group, self.timeout)
+
+    @contextmanager
+    def join(self, optimizer: torch.optim.Optimizer) -> Iterator[None]:
+        """Train on uneven data: ranks that finish their batches early wait here for the rest.
+
+        While waiting, a rank takes part in every reduction of the others with zero weight and
+        applies the reduced gradients with ``optimizer``, so its parameters and optimizer state
+        stay in step; means are over the ranks that still had data, so training equals one
+        process trained on exactly the batches that existed. At the end every rank takes the
+        parameters and buffers of a rank that was active last. Step logic beyond
+        ``optimizer.step()`` (gradient clipping, LR schedulers) does not run on waiting ranks:
+        ``check_replicas()`` after the loop tells whether that mattered.
+        """
+        if self._join_protocol is None:  # a collective: every rank enters join() together
+            device = self.reducer.params[0].device if self.reducer.params else torch.device("cpu")
+            self._join_protocol = JoinProtocol(self.process_group, device, self.timeout)
+        protocol = self._join_protocol
+        protocol.rounds_active = 0
+        self._joining = True
+        try:
+            yield
+        except BaseException:
+            self._joining = False  # on an error, leave without waiting for the others
+            raise
+        try:
+            while True:
+                num_active, syncing, broadcasting = protocol.handshake(False, False, False)
+                if num_active == 0:
+                    break
+                if broadcasting:
+                    self._broadcast_buffers()
+                if syncing:
+                    optimizer.zero_grad()
+                    self.reducer.shadow_backward(num_active, write_back=True)
+                    optimizer.step()
+            src = protocol.authoritative_rank()
+            broadcast_from(
+                [p.data for p in self.module.parameters()] + self._buffers_to_sync,
+                self.process_group,
+                src,
+                self.timeout,
+                f"the final broadcast of rank {src}'s state at the end of join()",
+            )
+        finally:
+            self.reducer.num_active = self.reducer.world_size
+            self._joining = False
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:

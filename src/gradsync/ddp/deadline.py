@@ -1,0 +1,40 @@
+"""Deadlines for gradsync's own collectives: a missing rank becomes an error that says what for.
+
+Torch's default process-group timeout is 30 minutes and its message names no cause. Every
+collective gradsync issues is started asynchronously and waited for with its own deadline
+(``timeout=`` of the wrapper, minutes by default, seconds in tests); on expiry every waiting rank
+raises :class:`CollectiveTimeoutError` naming the operation, the step and the usual culprits.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+from gradsync.comm import Handle
+
+
+class CollectiveTimeoutError(RuntimeError):
+    """A gradsync collective did not complete within the deadline, or a peer dropped out."""
+
+
+def as_timedelta(timeout: float | timedelta) -> timedelta:
+    if isinstance(timeout, timedelta):
+        return timeout
+    if timeout <= 0:
+        raise ValueError(f"timeout must be positive, got {timeout}")
+    return timedelta(seconds=timeout)
+
+
+def wait_or_raise(handle: Handle, timeout: timedelta, what: str, rank: int) -> None:
+    """``handle.wait(timeout)``, turning a timeout or a lost peer into a message with a cause."""
+    try:
+        handle.wait(timeout=timeout)
+    except RuntimeError as exc:
+        raise CollectiveTimeoutError(
+            f"gradsync: rank {rank} gave up waiting for {what} after at most "
+            f"{timeout.total_seconds():g} s ({exc}). Some rank did not get there: it may be "
+            "busy with rank-specific work (saving, evaluating on rank 0 only), blocked in a "
+            "collective the others do not issue (e.g. a logging all_reduce on some ranks only), "
+            "out of data (wrap the loop in `with model.join():`), or dead. Raise `timeout=` of "
+            "DistributedDataParallel if the work is legitimately that long."
+        ) from exc
