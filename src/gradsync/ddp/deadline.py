@@ -25,16 +25,28 @@ def as_timedelta(timeout: float | timedelta) -> timedelta:
     return timedelta(seconds=timeout)
 
 
-def wait_or_raise(handle: Handle, timeout: timedelta, what: str, rank: int) -> None:
-    """``handle.wait(timeout)``, turning a timeout or a lost peer into a message with a cause."""
+def wait_or_raise(handle: Handle, timeout: timedelta | None, what: str, rank: int) -> None:
+    """``handle.wait(timeout)``, turning a timeout or a lost peer into a message with a cause.
+
+    ``timeout=None`` waits without a deadline of ours. The reducer passes it for CUDA tensors:
+    on NCCL a wait with a timeout blocks the host until the GPU is done, once per bucket, which
+    would stall the launch of the rest of backward; there the process group's own timeout
+    (``init_process_group(timeout=...)``) is the deadline.
+    """
     try:
-        handle.wait(timeout=timeout)
+        if timeout is None:
+            handle.wait()  # dist.Work.wait takes no None
+        else:
+            handle.wait(timeout=timeout)
     except RuntimeError as exc:
+        limit = (
+            f"at most {timeout.total_seconds():g} s" if timeout else "the process group's timeout"
+        )
         raise CollectiveTimeoutError(
-            f"gradsync: rank {rank} gave up waiting for {what} after at most "
-            f"{timeout.total_seconds():g} s ({exc}). Some rank did not get there: it may be "
-            "busy with rank-specific work (saving, evaluating on rank 0 only), blocked in a "
-            "collective the others do not issue (e.g. a logging all_reduce on some ranks only), "
-            "out of data (wrap the loop in `with model.join():`), or dead. Raise `timeout=` of "
+            f"gradsync: rank {rank} gave up waiting for {what} after {limit} ({exc}). Some "
+            "rank did not get there: it may be busy with rank-specific work (saving, evaluating "
+            "on rank 0 only), blocked in a collective the others do not issue (e.g. a logging "
+            "all_reduce on some ranks only), out of data (wrap the loop in "
+            "`with model.join(optimizer):`), or dead. Raise `timeout=` of "
             "DistributedDataParallel if the work is legitimately that long."
         ) from exc

@@ -114,7 +114,8 @@ class Reducer:
         self.reduction = reduction
         self.find_unused_parameters = find_unused_parameters
         self.gradient_as_bucket_view = gradient_as_bucket_view
-        self.timeout = timeout
+        on_cuda = bool(named_params) and named_params[0][1].is_cuda
+        self.timeout = None if on_cuda else timeout  # see deadline.wait_or_raise
         self.check_finite = check_finite
         self.world_size = dist.get_world_size(process_group)
         self.rank = dist.get_rank(process_group)
@@ -265,12 +266,17 @@ class Reducer:
                 what = f"the all-reduce of bucket {bucket.spec.index} ({step})"
                 wait_or_raise(bucket.work, self.timeout, what, self.rank)
             # One device-to-host read for flags and checks (on CUDA a sync point, so only one).
-            parts = [b.used_flags for b in self.buckets]
+            flags = [b.used_flags for b in self.buckets]
+            parts = [
+                torch.cat(flags)
+                if len({f.dtype for f in flags}) == 1
+                else torch.cat([f.to(torch.float64) for f in flags])
+            ]
             if self.check_finite:
-                parts += [torch.isfinite(b.grads).all().to(b.buffer.dtype) for b in self.buckets]
+                parts.append(torch.stack([torch.isfinite(b.grads).all() for b in self.buckets]))
             if self.reduction == "item_mean":
                 parts.append(self._items)
-            flat = torch.cat([p.reshape(-1).to(torch.float64) for p in parts]).tolist()
+            flat = torch.cat([p.to(torch.float64) for p in parts]).tolist()
             counts, start = [], 0
             for bucket in self.buckets:
                 counts.append(flat[start : start + len(bucket.params)])
