@@ -56,8 +56,9 @@ def _item_mean_rank(rank: int, world: int, splits: list[tuple[int, int]]) -> dic
                 for i, (x, y) in enumerate(chunks):
                     last = i == len(chunks) - 1
                     with ddp.no_sync() if not last else torch.enable_grad():
+                        loss = toy.token_loss_sum(ddp, x, y)
                         ddp.count_items(int((y != -1).sum()))
-                        toy.token_loss_sum(ddp, x, y).backward()
+                        loss.backward()
             steps.append(
                 {
                     "grads": {n: p.grad.clone() for n, p in model.named_parameters()},
@@ -96,8 +97,11 @@ def _one_vs_hundred(rank: int, world: int) -> dict:
     # Rank 0: one sequence with a single valid token; rank 1: four sequences, 100 valid tokens.
     lengths = [1] if rank == 0 else [25, 25, 25, 25]
     tokens, targets = toy.padded_batch(lengths, seed=10 + rank, max_len=25)
+    loss = toy.token_loss_sum(ddp, tokens, targets)
     ddp.count_items(int((targets != -1).sum()))
-    toy.token_loss_sum(ddp, tokens, targets).backward()
+    loss.backward()
+    # Declared after the synchronising backward, the count would fall into the next window.
+    late = error_text(lambda: ddp.count_items(1))
     plain = toy.make_token_model()
     plain_ddp = gradsync.DistributedDataParallel(plain)  # the usual per-rank mean, for contrast
     n = (targets != -1).sum()
@@ -105,6 +109,7 @@ def _one_vs_hundred(rank: int, world: int) -> dict:
     return {
         "grads": {n: p.grad.clone() for n, p in model.named_parameters()},
         "mean_of_means": {n: p.grad.clone() for n, p in plain.named_parameters()},
+        "late": late,
         "batch": (tokens, targets),
     }
 
@@ -120,6 +125,7 @@ def test_one_token_rank_and_hundred_token_rank_give_the_reference() -> None:
     reference = {n: p.grad for n, p in model.named_parameters()}
     for out in per_rank:
         assert toy.max_diff(out["grads"], reference) <= GRAD_TOL
+        assert out["late"] and "between a micro-batch's forward and its backward" in out["late"]
     # Averaging per-rank means weighs the lone token like 100 tokens: visibly wrong.
     assert toy.max_diff(per_rank[0]["mean_of_means"], reference) > 1e-3
 

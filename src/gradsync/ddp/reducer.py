@@ -161,6 +161,11 @@ class Reducer:
             )
         if num_items < 0:
             raise ValueError(f"gradsync: count_items() got a negative count {num_items}")
+        if self.phase in (_Phase.UNPREPARED, _Phase.REDUCING):
+            # After the synchronising backward the count would silently land in the next window.
+            raise RuntimeError(
+                "gradsync: call count_items() between a micro-batch's forward and its backward"
+            )
         self.local_items += float(num_items)
 
     # -- backward side --------------------------------------------------------------------
