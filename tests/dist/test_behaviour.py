@@ -220,6 +220,8 @@ def _buffers_and_eval(rank: int, world: int) -> dict:
             with torch.no_grad():
                 for _ in range(100):
                     ddp(batch[0])
+            for _ in range(10):  # eval mode with grad enabled: still no collective
+                ddp(batch[0])
             ddp.train()
             with torch.no_grad():
                 ddp(batch[0])

@@ -91,40 +91,78 @@ def _device(cfg: StepTimeConfig) -> torch.device:
     return torch.device(cfg.device)
 
 
-def run_rank(rank: int, world: int, cfg: StepTimeConfig) -> dict[str, list[float]]:
-    """Rank body (for :func:`gradsync.spawn.spawn` or torchrun): step times per variant."""
+def make_step_tasks(
+    rank: int, cfg: StepTimeConfig
+) -> tuple[dict[str, Callable[[], None]], dict[str, nn.Module]]:
+    """One training step per variant as a callable, and each variant's model as called.
+
+    The models come back too because callers that time communication alone need the bucket
+    layout each wrapper chose (``bucket_specs`` of gradsync's wrapper, the logging data of torch's).
+    Every rank draws its own batch (seeded by rank), as data-parallel ranks do.
+    """
     built = {v.name: _build(v, cfg) for v in cfg.variants}
-    opts = {
-        name: torch.optim.SGD(module.parameters(), lr=1e-4)
-        for name, (_, module, _) in built.items()
-    }
     g = torch.Generator().manual_seed(rank)
     shape = (cfg.batch_per_rank, cfg.block_size)
     x = torch.randint(0, cfg.vocab_size, shape, generator=g).to(_device(cfg))
     y = torch.randint(0, cfg.vocab_size, shape, generator=g).to(_device(cfg))
-    sync = torch.cuda.synchronize if cfg.device == "cuda" else (lambda: None)
-    times: dict[str, list[float]] = {v.name: [] for v in cfg.variants}
-    names = [v.name for v in cfg.variants]
-    for r in range(cfg.warmup + cfg.rounds):
-        for k in range(len(names)):
-            name = names[(r + k) % len(names)]  # rotate who goes first each round
-            model, _, after_backward = built[name]
-            opt = opts[name]
-            sync()
-            dist.barrier()
-            t0 = time.perf_counter()
+
+    def step_of(name: str) -> Callable[[], None]:
+        model, module, after_backward = built[name]
+        opt = torch.optim.SGD(module.parameters(), lr=1e-4)
+
+        def step() -> None:
             opt.zero_grad()
             lm_loss(model(x), y).backward()
             after_backward()
             opt.step()
+
+        return step
+
+    tasks = {v.name: step_of(v.name) for v in cfg.variants}
+    return tasks, {name: model for name, (model, _, _) in built.items()}
+
+
+def time_interleaved(
+    tasks: dict[str, Callable[[], None]],
+    *,
+    warmup: int,
+    rounds: int,
+    device: str = "cpu",
+    on_round: Callable[[int, int], None] | None = None,
+) -> dict[str, list[float]]:
+    """Time every task once per round, in an order that rotates each round; collective.
+
+    Every rank must pass the same task names in the same order. Each call starts after a
+    barrier and lasts as long as its slowest rank (a MAX all-reduce of the elapsed times), so a
+    rank that starts early cannot shorten it. Rotating the order spreads slow phases of the
+    shared machine over all tasks. ``on_round(done, total)`` runs after each round, warm-up
+    rounds included (progress reporting); the first ``warmup`` rounds are not recorded.
+    """
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    dev = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else None
+    names = list(tasks)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(warmup + rounds):
+        for k in range(len(names)):
+            name = names[(r + k) % len(names)]  # rotate who goes first each round
+            sync()
+            dist.barrier()
+            t0 = time.perf_counter()
+            tasks[name]()
             sync()  # GPU work is asynchronous: the step ends when the device is done
-            elapsed = torch.tensor(time.perf_counter() - t0, dtype=torch.float64, device=x.device)
-            dist.all_reduce(
-                elapsed, op=dist.ReduceOp.MAX
-            )  # a step lasts as long as its slowest rank
-            if r >= cfg.warmup:
+            elapsed = torch.tensor(time.perf_counter() - t0, dtype=torch.float64, device=dev)
+            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # as long as its slowest rank
+            if r >= warmup:
                 times[name].append(elapsed.item())
+        if on_round is not None:
+            on_round(r + 1, warmup + rounds)
     return times
+
+
+def run_rank(rank: int, world: int, cfg: StepTimeConfig) -> dict[str, list[float]]:
+    """Rank body (for :func:`gradsync.spawn.spawn` or torchrun): step times per variant."""
+    tasks, _ = make_step_tasks(rank, cfg)
+    return time_interleaved(tasks, warmup=cfg.warmup, rounds=cfg.rounds, device=cfg.device)
 
 
 def summarize(times: dict[str, list[float]], baseline: str) -> list[tuple[str, float, float]]:

@@ -101,6 +101,8 @@ class DistributedDataParallel(nn.Module):
             "gradient_as_bucket_view": gradient_as_bucket_view,
             "broadcast_buffers": broadcast_buffers,
             "algorithm": self.algorithm.name,
+            "check_replicas_every": check_replicas_every,
+            "check_finite": check_finite,
         }
         check_same_model(describe(named_params, named_buffers), settings, process_group)
         broadcast_from(
@@ -134,11 +136,12 @@ class DistributedDataParallel(nn.Module):
         self._joining = False
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        # Eval and no_grad forwards issue no collectives: rank-0-only evaluation is safe.
-        if torch.is_grad_enabled():
-            broadcast = (
-                self.broadcast_buffers and self.module.training and bool(self._buffers_to_sync)
-            )
+        if not torch.is_grad_enabled():
+            return self.module(*args, **kwargs)  # no_grad: nothing to synchronise
+        # Collectives only in training mode: an eval-mode forward, even with grad enabled, may
+        # run on rank 0 alone and must not wait for the others.
+        if self.module.training:
+            broadcast = self.broadcast_buffers and bool(self._buffers_to_sync)
             if self._joining:
                 assert self._join_protocol is not None
                 num_active, _, _ = self._join_protocol.handshake(
@@ -149,13 +152,13 @@ class DistributedDataParallel(nn.Module):
                 self._first_batch_checked = True
                 warn_if_same_batch((args, kwargs), self.process_group)
             steps = self.reducer.num_reductions
-            if self.check_replicas_every and steps and steps % self.check_replicas_every == 0:
-                if self._replicas_checked_at != steps:
-                    self._replicas_checked_at = steps
-                    self.check_replicas()
+            every = self.check_replicas_every
+            if every and steps and steps % every == 0 and self._replicas_checked_at != steps:
+                self._replicas_checked_at = steps
+                self.check_replicas()
             if broadcast:
                 self._broadcast_buffers()
-            self.reducer.prepare_for_backward(sync=self._require_sync)
+        self.reducer.prepare_for_backward(sync=self._require_sync)
         return self.module(*args, **kwargs)
 
     def _broadcast_buffers(self, src: int = 0) -> None:
