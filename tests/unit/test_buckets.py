@@ -68,3 +68,12 @@ def test_strip_prefixes() -> None:
     assert strip_prefixes({f"module._orig_mod.{k}": v for k, v in plain.items()}) == plain
     mixed = {"module.a": 1, "b": 2}  # not every key prefixed: left alone
     assert strip_prefixes(mixed) == mixed
+
+
+def test_first_bucket_cap_starts_communication_sooner() -> None:
+    # 40-byte parameters, cap 100 bytes, first bucket capped at 50 bytes.
+    specs = plan_buckets([(10, F32)] * 5, 100, first_cap_bytes=50)
+    assert members(specs) == [[4], [3, 2], [1, 0]]
+    # Without a positive cap there is nothing to lower.
+    assert members(plan_buckets([(10, F32)] * 3, None, first_cap_bytes=50)) == [[2, 1, 0]]
+    assert members(plan_buckets([(10, F32)] * 3, 0, first_cap_bytes=50)) == [[2], [1], [0]]

@@ -42,7 +42,9 @@ def cap_to_bytes(bucket_cap_mb: float | None) -> int | None:
 
 
 def plan_buckets(
-    params: Sequence[tuple[int, torch.dtype]], cap_bytes: int | None
+    params: Sequence[tuple[int, torch.dtype]],
+    cap_bytes: int | None,
+    first_cap_bytes: int | None = None,
 ) -> list[BucketSpec]:
     """Group parameters, given as ``(numel, dtype)`` in registration order, into buckets.
 
@@ -50,6 +52,10 @@ def plan_buckets(
     - ``cap_bytes > 0``: walking parameters in reverse registration order, a bucket is closed
       before it would exceed the cap; a parameter larger than the cap gets a bucket of its own.
     - ``cap_bytes is None``: one bucket (per dtype: a flat buffer holds a single dtype).
+
+    ``first_cap_bytes`` (with a positive ``cap_bytes``) caps the first bucket lower: the last
+    layers' gradients are ready first, and a small first bucket starts communication sooner
+    instead of waiting for 25 MB of gradients (torch DDP does the same with 1 MB).
 
     Buckets are numbered in the order they close, which is the order they are launched in.
     """
@@ -69,11 +75,10 @@ def plan_buckets(
     for i in reversed(range(len(params))):
         numel, dtype = params[i]
         nbytes = numel * torch.empty((), dtype=dtype).element_size()
-        if (
-            cap_bytes is not None
-            and dtype in open_
-            and (cap_bytes == 0 or open_bytes[dtype] + nbytes > cap_bytes)
-        ):
+        cap = cap_bytes
+        if cap and first_cap_bytes is not None and not specs:
+            cap = min(cap, first_cap_bytes)
+        if cap is not None and dtype in open_ and (cap == 0 or open_bytes[dtype] + nbytes > cap):
             close(dtype)
         open_.setdefault(dtype, []).append(i)
         open_bytes[dtype] = open_bytes.get(dtype, 0) + nbytes

@@ -37,6 +37,8 @@ class DistributedDataParallel(nn.Module):
         process_group: the ranks that hold replicas (default: the world).
         bucket_cap_mb: bucket size in MiB. ``0``: one all-reduce per parameter; ``None``: one
             bucket (per dtype).
+        first_bucket_cap_mb: a lower cap for the first bucket (the last layers' gradients), so
+            communication starts early in backward; ``None`` uses ``bucket_cap_mb`` for all.
         find_unused_parameters: count a parameter without a gradient on some rank as zero there.
             When ``False`` such a parameter raises :class:`UnusedParametersError` on every rank at
             the end of the backward pass that missed it.
@@ -66,6 +68,7 @@ class DistributedDataParallel(nn.Module):
         *,
         process_group: dist.ProcessGroup | None = None,
         bucket_cap_mb: float | None = 25.0,
+        first_bucket_cap_mb: float | None = 1.0,
         find_unused_parameters: bool = False,
         gradient_as_bucket_view: bool = False,
         broadcast_buffers: bool = True,
@@ -91,11 +94,13 @@ class DistributedDataParallel(nn.Module):
         self.timeout = as_timedelta(timeout)
         self.check_replicas_every = check_replicas_every
         cap_bytes = cap_to_bytes(bucket_cap_mb)
+        first_cap_bytes = cap_to_bytes(first_bucket_cap_mb)
 
         named_params = list(module.named_parameters())
         named_buffers = list(module.named_buffers())
         settings = {
             "bucket_cap_mb": bucket_cap_mb,
+            "first_bucket_cap_mb": first_bucket_cap_mb,
             "reduction": reduction,
             "find_unused_parameters": find_unused_parameters,
             "gradient_as_bucket_view": gradient_as_bucket_view,
@@ -116,7 +121,7 @@ class DistributedDataParallel(nn.Module):
         # named_parameters() already yields a tied parameter once, so it is reduced once.
         trainable = [(n, p) for n, p in named_params if p.requires_grad]
         self.bucket_specs: list[BucketSpec] = plan_buckets(
-            [(p.numel(), p.dtype) for _, p in trainable], cap_bytes
+            [(p.numel(), p.dtype) for _, p in trainable], cap_bytes, first_cap_bytes
         )
         self.reducer = Reducer(
             trainable,
