@@ -182,8 +182,9 @@ def main(argv: list[str] | None = None) -> int:
             for a, b in zip(model.parameters(), reference.parameters(), strict=True)
         )
         # float64: rounding differences start at ~1e-16 and grow chaotically over the run's
-        # Adam steps (measured 7e-10 after 108 steps); 1e-7 leaves a 100x margin and is still
-        # far below what a real error does (a sum instead of a mean moves parameters by ~1e-3).
+        # Adam steps (measured 7e-10 after 108 steps); 1e-7 leaves a 100x margin. Adam is nearly
+        # blind to a gradient's scale, so use `gradsync verify` (SGD, per-step gradients) to
+        # hunt scaling bugs; this check catches wrong data, missed or partial synchronisation.
         # float32 starts at ~1e-7 and grows to ~1e-2 over 200 steps: that bound only catches
         # gross errors, which is why float64 is the default.
         tolerance = args.tolerance
