@@ -1,4 +1,4 @@
-"""The ``gradsync`` command: ``gradsync verify``.
+"""The ``gradsync`` command: ``gradsync verify`` and ``gradsync bench``.
 
 Each subcommand lives next to what it drives (``verify/cli.py``, ``bench/cli.py``) and exposes
 ``add_arguments(parser)`` and ``run(args) -> exit code``; this module only routes.
@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from gradsync.bench import cli as bench_cli
 from gradsync.verify import cli as verify_cli
 
 
@@ -25,6 +26,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     verify_cli.add_arguments(verify)
     verify.set_defaults(run=verify_cli.run)
+    bench = sub.add_parser(
+        "bench",
+        help="step time against torch DDP, overlap efficiency and bus bandwidth",
+        description=bench_cli.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    bench_cli.add_arguments(bench)
+    bench.set_defaults(run=bench_cli.run)
     return parser
 
 

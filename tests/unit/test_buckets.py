@@ -71,9 +71,12 @@ def test_strip_prefixes() -> None:
 
 
 def test_first_bucket_cap_starts_communication_sooner() -> None:
-    # 40-byte parameters, cap 100 bytes, first bucket capped at 50 bytes.
+    # 40-byte parameters, cap 100 bytes: the first bucket closes once it holds 50 bytes.
     specs = plan_buckets([(10, F32)] * 5, 100, first_cap_bytes=50)
-    assert members(specs) == [[4], [3, 2], [1, 0]]
-    # Without a positive cap there is nothing to lower.
+    assert members(specs) == [[4, 3], [2, 1], [0]]
+    # A first parameter already past first_cap_bytes goes alone; the cap still holds.
+    specs = plan_buckets([(10, F32), (10, F32), (20, F32)], 100, first_cap_bytes=50)
+    assert members(specs) == [[2], [1, 0]]
+    # Without a positive cap there is no first bucket to close early.
     assert members(plan_buckets([(10, F32)] * 3, None, first_cap_bytes=50)) == [[2, 1, 0]]
     assert members(plan_buckets([(10, F32)] * 3, 0, first_cap_bytes=50)) == [[2], [1], [0]]

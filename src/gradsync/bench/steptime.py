@@ -29,6 +29,7 @@ class Variant:
     kind: str  # "naive" (average_gradients), "gradsync", "torch_ddp", or "local" (no sync)
     bucket_cap_mb: float | None = 25.0
     algorithm: str = "native"
+    first_bucket_cap_mb: float | None = 1.0
 
 
 DEFAULT_VARIANTS = (
@@ -73,7 +74,10 @@ def _build(
         return gpt, gpt, lambda: gradsync.average_gradients(gpt)
     if variant.kind == "gradsync":
         ddp = gradsync.DistributedDataParallel(
-            gpt, bucket_cap_mb=variant.bucket_cap_mb, algorithm=variant.algorithm
+            gpt,
+            bucket_cap_mb=variant.bucket_cap_mb,
+            first_bucket_cap_mb=variant.first_bucket_cap_mb,
+            algorithm=variant.algorithm,
         )
         return ddp, gpt, lambda: None
     if variant.kind == "torch_ddp":

@@ -53,9 +53,10 @@ def plan_buckets(
       before it would exceed the cap; a parameter larger than the cap gets a bucket of its own.
     - ``cap_bytes is None``: one bucket (per dtype: a flat buffer holds a single dtype).
 
-    ``first_cap_bytes`` (with a positive ``cap_bytes``) caps the first bucket lower: the last
-    layers' gradients are ready first, and a small first bucket starts communication sooner
-    instead of waiting for 25 MB of gradients (torch DDP does the same with 1 MB).
+    ``first_cap_bytes`` (with a positive ``cap_bytes``) closes the first bucket as soon as it
+    holds that many bytes (never more than ``cap_bytes``): the last layers' gradients are ready
+    first, and a small first bucket starts communication sooner instead of waiting for 25 MB of
+    gradients (torch DDP does the same with 1 MB).
 
     Buckets are numbered in the order they close, which is the order they are launched in.
     """
@@ -75,13 +76,17 @@ def plan_buckets(
     for i in reversed(range(len(params))):
         numel, dtype = params[i]
         nbytes = numel * torch.empty((), dtype=dtype).element_size()
-        cap = cap_bytes
-        if cap and first_cap_bytes is not None and not specs:
-            cap = min(cap, first_cap_bytes)
-        if cap is not None and dtype in open_ and (cap == 0 or open_bytes[dtype] + nbytes > cap):
+        if (
+            cap_bytes is not None
+            and dtype in open_
+            and (cap_bytes == 0 or open_bytes[dtype] + nbytes > cap_bytes)
+        ):
             close(dtype)
         open_.setdefault(dtype, []).append(i)
         open_bytes[dtype] = open_bytes.get(dtype, 0) + nbytes
+        if cap_bytes and first_cap_bytes is not None and not specs:
+            if open_bytes[dtype] >= first_cap_bytes:
+                close(dtype)  # the first bucket goes as soon as it holds first_cap_bytes
     for dtype in list(open_):
         close(dtype)
     return specs

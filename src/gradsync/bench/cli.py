@@ -1,0 +1,234 @@
+"""``gradsync bench``: step time, its compute/communication split and bus bandwidth, in one run.
+
+    gradsync bench                                  # simulated 2 nodes at 1 Gbit/s, then loopback
+    gradsync bench --where loopback --rounds 3      # no root needed
+    gradsync bench --rate-mbit 500 --out runs/bench-500
+
+(``python -m gradsync.bench.cli`` takes the same flags.) Both settings run two ranks, one thread
+each, and the same worker (:mod:`gradsync.bench.worker`): on a
+:class:`~gradsync.cluster.SimulatedCluster` of 2 nodes x 1 rank under torchrun, where every byte
+crosses a shaped link, and on loopback through :func:`gradsync.spawn.spawn`, where the link is
+nearly free and compute dominates. They run one after the other: both share this machine's CPUs.
+
+Writes ``results.json`` (every timing), ``report.md`` (the tables, also printed) and two plots
+to ``--out``. The default model (12.7M parameters, 50.7 MB of float32 gradients) and link rate
+(1000 Mbit/s) are chosen so that, on a 2-vCPU machine, compute (~0.35 s) and communication
+(~0.45 s, ring bound 0.42 s) are within 2x of each other: that is where overlap matters and
+where bucketing choices show.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+from tqdm import tqdm
+
+from gradsync.bench import report
+from gradsync.bench.worker import add_model_arguments
+
+DESCRIPTION = """\
+Time one training step of gradsync (bucket caps 0, 1, 5, 25, 100 MB and one bucket), torch's
+DistributedDataParallel and average_gradients, next to compute alone and communication alone,
+on 2 simulated nodes (network namespaces, links shaped to --rate-mbit; needs root) and on
+loopback; then all-reduce bus bandwidth against the ring bound. Writes report.md, results.json
+and two plots to --out. A default run takes ~3 minutes on 2 vCPUs (--rounds sets the length).
+"""
+
+T = TypeVar("T")
+NODES = 2  # a ring over 2 nodes: every byte crosses the shaped link once in each direction
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags of ``gradsync bench`` (the model and round flags are forwarded to the worker)."""
+    parser.add_argument("--out", default="runs/bench", help="output folder (default runs/bench)")
+    parser.add_argument(
+        "--where",
+        choices=["both", "cluster", "loopback"],
+        default="both",
+        help="settings to measure (default both; 'both' falls back to loopback alone where a "
+        "simulated cluster cannot be built, e.g. without root)",
+    )
+    parser.add_argument(
+        "--rate-mbit",
+        type=float,
+        default=1000.0,
+        help="simulated link rate per direction, Mbit/s (default 1000)",
+    )
+    parser.add_argument(
+        "--timeout-s", type=float, default=900.0, help="hard limit per setting (default 900)"
+    )
+    add_model_arguments(parser)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Measure every requested setting, then write the JSON, report and plots; 0 on success."""
+    from gradsync.cluster import SimulatedCluster
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    settings = ["cluster", "loopback"] if args.where == "both" else [args.where]
+    if "cluster" in settings:
+        ok, reason = SimulatedCluster.available()
+        if not ok:
+            if args.where == "cluster":
+                print(f"gradsync bench: no simulated cluster here: {reason}", file=sys.stderr)
+                return 2
+            print(f"gradsync bench: skipping the simulated cluster: {reason}", file=sys.stderr)
+            settings.remove("cluster")
+    results = []
+    for setting in settings:
+        t0 = time.perf_counter()
+        # The load average says how much of the machine other work took during the run: on a
+        # shared 2-vCPU host it is the first thing to read next to the numbers.
+        load_before = os.getloadavg()[0]
+        result = _run_cluster(args, out) if setting == "cluster" else _run_loopback(args, out)
+        if result is None:
+            return 1
+        result["loadavg_1min"] = [load_before, os.getloadavg()[0]]
+        result["wall_s"] = time.perf_counter() - t0
+        print(f"{result['label']}: done in {time.perf_counter() - t0:.0f} s", flush=True)
+        results.append(result)
+    with open(out / "results.json", "w") as f:
+        json.dump(results, f, indent=1)
+    plots = ["step_vs_bucket.png", "breakdown.png"]
+    report.plot_step_vs_bucket(results, str(out / plots[0]))
+    report.plot_breakdown(results, str(out / plots[1]))
+    text = report.markdown_report(results, plots)
+    (out / "report.md").write_text(text)
+    print(text)
+    print(f"gradsync bench: wrote {out / 'report.md'}, {out / 'results.json'} and the plots")
+    return 0
+
+
+def _worker_flags(args: argparse.Namespace) -> list[str]:
+    """The model and round flags, as the worker's command line spells them."""
+    flags = ["--n-layer", str(args.n_layer), "--n-embd", str(args.n_embd)]
+    flags += ["--n-head", str(args.n_head), "--vocab-size", str(args.vocab_size)]
+    flags += ["--block-size", str(args.block_size), "--batch-per-rank", str(args.batch_per_rank)]
+    flags += ["--warmup", str(args.warmup), "--rounds", str(args.rounds), "--caps", *args.caps]
+    flags += ["--busbw-sizes-mib", *map(str, args.busbw_sizes_mib)]
+    flags += ["--busbw-iters", str(args.busbw_iters), "--busbw-warmup", str(args.busbw_warmup)]
+    return flags
+
+
+def _run_cluster(args: argparse.Namespace, out: Path) -> dict[str, Any] | None:
+    """2 simulated nodes x 1 rank under torchrun; the worker writes JSON from rank 0."""
+    from gradsync.cluster import SimulatedCluster
+
+    label = f"simulated {NODES} nodes x 1 rank, {args.rate_mbit:g} Mbit/s"
+    json_path = out / "cluster.json"
+    json_path.unlink(missing_ok=True)
+    progress = out / "cluster.progress"
+    argv = ["-m", "gradsync.bench.worker", "--out", str(json_path.resolve())]
+    argv += ["--progress", str(progress.resolve()), "--timeout-s", str(args.timeout_s)]
+    argv += _worker_flags(args)
+    with SimulatedCluster(NODES, rate_mbit=args.rate_mbit) as cluster:
+        results = _follow(
+            label,
+            progress,
+            lambda: cluster.launch(
+                argv,
+                nproc_per_node=1,
+                timeout_s=args.timeout_s,
+                extra_env={"OMP_NUM_THREADS": "1"},  # the notes' pitfall 3: never oversubscribe
+            ),
+        )
+    if not all(r.ok for r in results) or not json_path.exists():
+        for r in results:
+            print(r.summary(), file=sys.stderr)
+        return None
+    result: dict[str, Any] = json.loads(json_path.read_text())
+    result.update(label=label, setting="cluster", rate_mbit=args.rate_mbit, nodes=NODES)
+    return result
+
+
+def _run_loopback(args: argparse.Namespace, out: Path) -> dict[str, Any] | None:
+    """2 ranks on loopback through :func:`gradsync.spawn.spawn` (file store, no ports)."""
+    from gradsync.bench.worker import spawn_rank
+    from gradsync.spawn import SpawnError, spawn
+
+    label = "loopback, 2 ranks"
+    progress = out / "loopback.progress"
+    wargs = argparse.Namespace(**vars(args))
+    wargs.progress = str(progress.resolve())
+    try:
+        ranks = _follow(
+            label,
+            progress,
+            lambda: spawn(
+                spawn_rank,
+                2,
+                (wargs,),
+                pg_timeout_s=min(args.timeout_s, 300.0),
+                timeout_s=args.timeout_s,
+            ),
+        )
+    except SpawnError as exc:
+        print(f"gradsync bench: loopback run failed: {exc}", file=sys.stderr)
+        return None
+    result: dict[str, Any] = ranks[0]
+    result.update(label=label, setting="loopback", rate_mbit=None, nodes=1)
+    return result
+
+
+def _follow(label: str, progress: Path, fn: Callable[[], T]) -> T:
+    """Run ``fn`` in a thread while a progress bar follows the lines rank 0 appends."""
+    progress.unlink(missing_ok=True)
+    box: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            box["value"] = fn()
+        except BaseException as exc:  # re-raised in the caller's thread
+            box["error"] = exc
+
+    thread = threading.Thread(target=target, name="gradsync-bench", daemon=True)
+    thread.start()
+    with tqdm(desc=label, unit="phase", dynamic_ncols=True) as bar:
+        while thread.is_alive():
+            thread.join(timeout=0.5)
+            _update(bar, progress)
+        _update(bar, progress)
+    if "error" in box:
+        raise box["error"]
+    value: T = box["value"]
+    return value
+
+
+def _update(bar: tqdm, progress: Path) -> None:
+    """Move the bar to rank 0's last progress line (redraw only on news: logs stay short)."""
+    try:
+        lines = progress.read_text().splitlines()
+    except FileNotFoundError:
+        return
+    if not lines:
+        return
+    done, total, what = lines[-1].split(" ", 2)
+    if bar.n == int(done) and bar.total == int(total):
+        return
+    bar.total = int(total)
+    bar.n = int(done)
+    bar.set_postfix_str(what, refresh=False)
+    bar.refresh()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="gradsync bench",
+        description=DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,298 @@
+"""The rank body of ``gradsync bench``: run by torchrun on every rank, writes JSON from rank 0.
+
+    torchrun --standalone --nproc-per-node 2 -m gradsync.bench.worker --out results.json
+    torchrun --nnodes 2 --node-rank R --nproc-per-node 1 --master-addr HOST0 \\
+        --master-port 29500 -m gradsync.bench.worker --out results.json          # R = 0, 1
+
+It initialises from torchrun's environment, so the same module runs on loopback and across
+(simulated or real) nodes. Three measurements, in this order:
+
+1. Step time of every variant and, interleaved in the same rounds, the two quantities a step is
+   made of: compute alone (the ``local`` variant, which synchronises nothing) and communication
+   alone. Communication alone replays each variant's own all-reduces on idle buffers with the
+   same sizes, in the same order and the same way (one blocking call per parameter for
+   ``average_gradients``; all buckets launched asynchronously, then waited for, for the
+   bucketed wrappers), plus one flat all-reduce of every gradient byte.
+2. Bus bandwidth of single large all-reduces, for the ring bound (claims need >= 16 MB; see
+   ``shared/notes/simulated-cluster.md``, pitfall 4).
+
+Timing follows :func:`gradsync.bench.steptime.time_interleaved`: barrier, slowest rank, medians.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import os
+import platform
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import asdict
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import gradsync
+from gradsync.bench.steptime import (
+    StepTimeConfig,
+    Variant,
+    make_step_tasks,
+    num_parameters,
+    time_interleaved,
+)
+
+MIB = 2**20
+COMM_PREFIX = "comm|"
+FLAT = "flat (all gradient bytes, 1 call)"
+DEFAULT_CAPS: tuple[float | None, ...] = (0.0, 1.0, 5.0, 25.0, 100.0, None)
+
+
+def bench_variants(caps: Sequence[float | None] = DEFAULT_CAPS) -> tuple[Variant, ...]:
+    """The variants ``gradsync bench`` compares: naive, gradsync per bucket cap, torch DDP, local.
+
+    ``None`` is one bucket for the whole model (gradsync's meaning of ``bucket_cap_mb=None``).
+    """
+    variants = [Variant("average_gradients", "naive")]
+    for cap in caps:
+        label = "one bucket" if cap is None else f"cap {cap:g} MB"
+        if cap == 0:
+            label += " (per parameter)"
+        elif cap == 25.0:
+            label += " (default)"
+        variants.append(Variant(f"gradsync {label}", "gradsync", cap))
+    variants.append(Variant("torch DDP default", "torch_ddp", 25.0))
+    variants.append(Variant("compute only (local)", "local"))
+    return tuple(variants)
+
+
+def wrapper_defaults() -> dict[str, Any]:
+    """The gradsync wrapper's plain-valued defaults, which every gradsync variant runs with
+    except ``bucket_cap_mb``: recorded so a report says what "default" meant on that day."""
+    sig = inspect.signature(gradsync.DistributedDataParallel.__init__)
+    return {
+        name: p.default
+        for name, p in sig.parameters.items()
+        if isinstance(p.default, (bool, int, float, str, type(None)))
+        and p.default is not inspect.Parameter.empty
+    }
+
+
+def comm_plan(variant: Variant, model: nn.Module) -> list[int]:
+    """Element counts of the all-reduces one step of ``variant`` issues, in launch order.
+
+    gradsync: its planned buckets, each with the one used-flag element per parameter that rides
+    along (see ``gradsync.ddp.reducer``). torch DDP: the bucket sizes it rebuilt in gradient-ready
+    order, which it uses from its third step on and reports in its logging data only after that
+    step, so call this after three steps. ``average_gradients``: one call per trainable parameter.
+    """
+    if variant.kind == "local":
+        return []
+    if variant.kind == "naive":
+        return [p.numel() for p in model.parameters() if p.requires_grad]
+    if variant.kind == "gradsync":
+        assert isinstance(model, gradsync.DistributedDataParallel)
+        return [s.numel + len(s.param_indices) for s in model.bucket_specs]
+    if variant.kind == "torch_ddp":
+        assert isinstance(model, torch.nn.parallel.DistributedDataParallel)
+        data = model._get_ddp_logging_data()
+        if "rebuilt_bucket_sizes" not in data:
+            raise RuntimeError("torch DDP has not rebuilt its buckets yet; run 3 steps first")
+        sizes = str(data["rebuilt_bucket_sizes"])
+        elem = next(model.module.parameters()).element_size()
+        return [int(b) // elem for b in sizes.split(",")]
+    raise ValueError(f"unknown variant kind {variant.kind!r}")
+
+
+def comm_task(numels: Sequence[int], dtype: torch.dtype, blocking: bool) -> Callable[[], None]:
+    """All-reduce buffers of ``numels`` elements the way a step does, without any compute.
+
+    ``blocking``: one call after the other, as ``average_gradients`` does; otherwise all are
+    launched asynchronously and then waited for, as the bucketed reducers launch theirs.
+    """
+    buffers = [torch.zeros(n, dtype=dtype) for n in numels]
+
+    def run() -> None:
+        if blocking:
+            for b in buffers:
+                dist.all_reduce(b)
+            return
+        works = [dist.all_reduce(b, async_op=True) for b in buffers]
+        for w in works:
+            assert w is not None
+            w.wait()
+
+    return run
+
+
+def time_allreduce(
+    sizes_bytes: Sequence[int], iters: int, warmup: int, on_size: Callable[[], None]
+) -> list[dict[str, Any]]:
+    """Median-ready times of one float32 all-reduce per size (barrier first, slowest rank)."""
+    rows = []
+    for nbytes in sizes_bytes:
+        task = comm_task([nbytes // 4], torch.float32, blocking=True)
+        times = time_interleaved({"x": task}, warmup=warmup, rounds=iters)
+        rows.append({"size_bytes": nbytes // 4 * 4, "times_s": times["x"]})
+        on_size()
+    return rows
+
+
+def run(args: argparse.Namespace) -> dict[str, Any] | None:
+    """Every rank: measure; rank 0 returns the results (others ``None``)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    caps = [parse_cap(c) for c in args.caps]
+    cfg = StepTimeConfig(
+        n_layer=args.n_layer,
+        n_embd=args.n_embd,
+        n_head=args.n_head,
+        vocab_size=args.vocab_size,
+        block_size=args.block_size,
+        batch_per_rank=args.batch_per_rank,
+        warmup=args.warmup,
+        rounds=args.rounds,
+        variants=bench_variants(caps),
+    )
+    total = 1 + cfg.warmup + cfg.rounds + len(args.busbw_sizes_mib)
+    progress = Progress(args.progress if rank == 0 else None, total)
+
+    steps, models = make_step_tasks(rank, cfg)
+    # Three untimed steps of every variant: torch DDP rebuilds its buckets in gradient-ready
+    # order (used from step 3), and the communication replay copies the rebuilt layout.
+    for _ in range(3):
+        for step in steps.values():
+            step()
+    progress.advance("built models, 3 untimed steps")
+    dtype = next(models[cfg.variants[0].name].parameters()).dtype
+    plans = {v.name: comm_plan(v, models[v.name]) for v in cfg.variants if v.kind != "local"}
+    tasks = dict(steps)
+    for v in cfg.variants:
+        if v.kind != "local":
+            tasks[COMM_PREFIX + v.name] = comm_task(plans[v.name], dtype, v.kind == "naive")
+    grad_numel = sum(p.numel() for p in models[cfg.variants[0].name].parameters())
+    tasks[COMM_PREFIX + FLAT] = comm_task([grad_numel], dtype, blocking=True)
+    plans[FLAT] = [grad_numel]
+
+    times = time_interleaved(
+        tasks,
+        warmup=cfg.warmup,
+        rounds=cfg.rounds,
+        on_round=lambda r, n: progress.advance(f"round {r}/{n} (first {cfg.warmup} warm-up)"),
+    )
+    busbw = time_allreduce(
+        [int(s * MIB) for s in args.busbw_sizes_mib],
+        args.busbw_iters,
+        args.busbw_warmup,
+        lambda: progress.advance("bus bandwidth"),
+    )
+    if rank != 0:
+        return None
+    elem = torch.empty((), dtype=dtype).element_size()
+    return {
+        "world": world,
+        "torch": torch.__version__,
+        "machine": platform.machine(),
+        "cpus": os.cpu_count(),
+        "omp_threads": torch.get_num_threads(),
+        "backend": dist.get_backend(),
+        "dtype": str(dtype).removeprefix("torch."),
+        "num_parameters": num_parameters(cfg),
+        "grad_bytes": grad_numel * elem,
+        "config": {k: v for k, v in asdict(cfg).items() if k != "variants"},
+        "variants": [asdict(v) for v in cfg.variants],
+        "gradsync_defaults": wrapper_defaults(),
+        "step_s": {k: v for k, v in times.items() if not k.startswith(COMM_PREFIX)},
+        "comm_s": {
+            k.removeprefix(COMM_PREFIX): v for k, v in times.items() if k.startswith(COMM_PREFIX)
+        },
+        "comm_bytes": {k: [n * elem for n in v] for k, v in plans.items()},
+        "busbw": busbw,
+    }
+
+
+def spawn_rank(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any] | None:
+    """Rank body for :func:`gradsync.spawn.spawn` (loopback): the same measurement as torchrun's."""
+    return run(args)
+
+
+class Progress:
+    """Rank 0 appends one line per finished phase to a file the driver follows.
+
+    A file rather than stdout: the simulated cluster collects a node's output only when it
+    exits, and the namespaces share the file system.
+    """
+
+    def __init__(self, path: str | None, total: int) -> None:
+        self.path = path
+        self.total = total
+        self.done = 0
+        if path:
+            with open(path, "w"):
+                pass
+
+    def advance(self, what: str) -> None:
+        self.done += 1
+        if self.path:
+            with open(self.path, "a") as f:
+                f.write(f"{self.done} {self.total} {what}\n")
+
+
+def parse_cap(text: str) -> float | None:
+    """A bucket cap in MiB from the command line; ``none`` means one bucket."""
+    if text.lower() in ("none", "one", "inf"):
+        return None
+    cap = float(text)
+    if cap < 0:
+        raise ValueError(f"bucket cap must be >= 0 or 'none', got {text!r}")
+    return cap
+
+
+def add_model_arguments(p: argparse.ArgumentParser) -> None:
+    """Flags shared with the ``gradsync bench`` driver, which forwards them here."""
+    p.add_argument("--n-layer", type=int, default=4)
+    p.add_argument("--n-embd", type=int, default=512)
+    p.add_argument("--n-head", type=int, default=8)
+    p.add_argument("--vocab-size", type=int, default=64)
+    p.add_argument("--block-size", type=int, default=64)
+    p.add_argument("--batch-per-rank", type=int, default=4, help="sequences per rank per step")
+    p.add_argument("--warmup", type=int, default=1, help="untimed rounds after 3 untimed steps")
+    p.add_argument("--rounds", type=int, default=5, help="timed rounds (one step per variant)")
+    p.add_argument(
+        "--caps",
+        nargs="+",
+        default=["none" if c is None else f"{c:g}" for c in DEFAULT_CAPS],
+        help="gradsync bucket caps in MiB ('none': one bucket)",
+    )
+    p.add_argument("--busbw-sizes-mib", type=float, nargs="+", default=[16.0, 64.0])
+    p.add_argument("--busbw-iters", type=int, default=5)
+    p.add_argument("--busbw-warmup", type=int, default=1)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--out", required=True, help="JSON file rank 0 writes")
+    p.add_argument("--progress", default=None, help="file rank 0 appends progress lines to")
+    p.add_argument("--timeout-s", type=float, default=300.0, help="process-group timeout")
+    add_model_arguments(p)
+    args = p.parse_args(argv)
+    if "RANK" not in os.environ:
+        p.error("run me under torchrun (RANK, WORLD_SIZE, MASTER_ADDR are missing)")
+    dist.init_process_group("gloo", timeout=timedelta(seconds=args.timeout_s))
+    try:
+        result = run(args)
+    finally:
+        dist.destroy_process_group()
+    if result is not None:
+        tmp = args.out + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(result, f, indent=1)
+        os.replace(tmp, args.out)  # the driver never reads half a file
+        print(f"gradsync.bench.worker: wrote {args.out}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

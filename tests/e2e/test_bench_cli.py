@@ -1,0 +1,52 @@
+"""``gradsync bench`` end to end on loopback, with a tiny model and one round: it runs, shows
+progress, and writes a report with every variant, the JSON and both plots.
+
+Loopback only (``--where loopback``): no root needed, and the cluster path is covered by
+``test_multinode.py``. The numbers of a one-round run mean nothing; only their presence is checked.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+
+@pytest.mark.timeout(90)
+def test_bench_cli_on_loopback_writes_report_and_plots(tmp_path: Path) -> None:
+    out = tmp_path / "bench"
+    cmd = [
+        sys.executable, "-m", "gradsync.bench.cli", "--where", "loopback", "--out", str(out),
+        "--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--block-size", "16",
+        "--rounds", "1", "--warmup", "0", "--caps", "0", "25", "none",
+        "--busbw-sizes-mib", "1", "--busbw-iters", "1", "--busbw-warmup", "0",
+    ]  # fmt: skip
+    env = dict(os.environ, OMP_NUM_THREADS="1", TMPDIR=str(tmp_path), MPLBACKEND="Agg")
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=80, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "loopback, 2 ranks" in proc.stderr  # the progress bar
+    text = (out / "report.md").read_text()
+    for name in [
+        "average_gradients",
+        "gradsync cap 0 MB (per parameter)",
+        "gradsync cap 25 MB (default)",
+        "gradsync one bucket",
+        "torch DDP default",
+        "compute only (local)",
+        "flat (all gradient bytes, 1 call)",
+    ]:
+        assert f"| {name} |" in text or f"| comm only: {name} |" in text, text
+    assert "gradsync default step <= 1.0x torch DDP default" in text
+    (result,) = json.loads((out / "results.json").read_text())
+    assert result["world"] == 2 and result["setting"] == "loopback"
+    assert all(len(t) == 1 for t in result["step_s"].values())
+    # One parameter per bucket with cap 0: as many all-reduces as trainable parameters.
+    per_param = result["comm_bytes"]["gradsync cap 0 MB (per parameter)"]
+    assert len(per_param) == len(result["comm_bytes"]["average_gradients"])
+    assert len(result["comm_bytes"]["gradsync one bucket"]) == 1
+    for png in ["step_vs_bucket.png", "breakdown.png"]:
+        assert (out / png).stat().st_size > 1000

@@ -1,0 +1,132 @@
+"""The arithmetic behind ``gradsync bench`` reports: overlap efficiency, ring bound, bus bandwidth.
+
+No process group, no network: numbers chosen so the expected values can be checked by hand.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gradsync.bench import report
+from gradsync.cluster import PAYLOAD_FRACTION
+
+
+def test_overlap_efficiency_spans_no_overlap_to_limit() -> None:
+    # compute 0.6 s, comm 0.4 s: no overlap 1.0 s, limit 0.6 s, ideal saving 0.4 s.
+    assert report.overlap_efficiency(1.0, 0.6, 0.4) == pytest.approx(0.0)
+    assert report.overlap_efficiency(0.6, 0.6, 0.4) == pytest.approx(1.0)
+    assert report.overlap_efficiency(0.8, 0.6, 0.4) == pytest.approx(0.5)
+    # Slower than compute then comm one after the other: negative, not clipped.
+    assert report.overlap_efficiency(1.2, 0.6, 0.4) == pytest.approx(-0.5)
+    # Symmetric in which side dominates: comm-bound steps use the same formula.
+    assert report.overlap_efficiency(0.7, 0.4, 0.6) == pytest.approx(0.75)
+
+
+def test_overlap_efficiency_is_undefined_without_communication() -> None:
+    assert report.overlap_efficiency(0.5, 0.5, 0.0) is None
+    assert report.overlap_efficiency(0.5, 0.0, 0.5) is None
+
+
+def test_ring_factor_bound_and_bus_bandwidth() -> None:
+    assert report.ring_factor(1) == 0.0
+    assert report.ring_factor(2) == 1.0
+    assert report.ring_factor(4) == 1.5
+    with pytest.raises(ValueError):
+        report.ring_factor(0)
+    # 1000 Mbit/s of frames carries 125 MB/s x 1448/1514 of TCP payload.
+    payload = report.payload_rate(1000)
+    assert payload == pytest.approx(125e6 * PAYLOAD_FRACTION)
+    assert payload == pytest.approx(119.55e6, rel=1e-3)
+    # 2 ranks: each link direction carries the whole tensor once.
+    nbytes = 64 * 2**20
+    assert report.ring_bound_s(nbytes, 2, payload) == pytest.approx(nbytes / payload)
+    assert report.ring_bound_s(nbytes, 4, payload) == pytest.approx(1.5 * nbytes / payload)
+    # A transfer at exactly the bound has a bus bandwidth equal to the payload rate.
+    t = report.ring_bound_s(nbytes, 4, payload)
+    assert report.bus_bandwidth(nbytes, 4, t) == pytest.approx(payload)
+    assert report.bus_bandwidth(100e6, 2, 1.0) == pytest.approx(100e6)
+
+
+def test_percentile_interpolates() -> None:
+    assert report.percentile([3.0, 1.0, 2.0], 50) == 2.0
+    assert report.percentile([1.0, 2.0, 3.0, 4.0], 25) == pytest.approx(1.75)
+    assert report.percentile([5.0], 75) == 5.0
+
+
+def fake_result(rate_mbit: float | None) -> dict[str, Any]:
+    """A results dict shaped like the worker's, with round numbers."""
+    names = [
+        ("average_gradients", "naive", 25.0),
+        ("gradsync cap 0 MB (per parameter)", "gradsync", 0.0),
+        ("gradsync cap 25 MB (default)", "gradsync", 25.0),
+        ("gradsync one bucket", "gradsync", None),
+        ("torch DDP default", "torch_ddp", 25.0),
+        ("compute only (local)", "local", 25.0),
+    ]
+    step = {
+        "average_gradients": [1.1, 1.0, 1.2],
+        "gradsync cap 0 MB (per parameter)": [0.95, 0.9, 0.9],
+        "gradsync cap 25 MB (default)": [0.7, 0.8, 0.7],
+        "gradsync one bucket": [1.0, 1.0, 1.0],
+        "torch DDP default": [0.8, 0.8, 0.9],
+        "compute only (local)": [0.6, 0.6, 0.6],
+    }
+    comm = {n: [0.4, 0.4, 0.4] for n, k, _ in names if k != "local"}
+    comm["flat (all gradient bytes, 1 call)"] = [0.4, 0.4, 0.4]
+    return {
+        "label": "test setting",
+        "world": 2,
+        "backend": "gloo",
+        "omp_threads": 1,
+        "num_parameters": 12_000_000,
+        "dtype": "float32",
+        "grad_bytes": 48_000_000,
+        "rate_mbit": rate_mbit,
+        "config": {"n_layer": 4, "n_embd": 512, "batch_per_rank": 4, "block_size": 64}
+        | {"rounds": 3, "warmup": 1},
+        "variants": [{"name": n, "kind": k, "bucket_cap_mb": c} for n, k, c in names],
+        "step_s": step,
+        "comm_s": comm,
+        "comm_bytes": {n: [48_000_000] for n in comm},
+        "busbw": [{"size_bytes": 64 * 2**20, "times_s": [0.60, 0.58, 0.59]}],
+    }
+
+
+def test_variant_rows_and_targets_from_a_result() -> None:
+    result = fake_result(1000.0)
+    rows = {r.name: r for r in report.variant_rows(result)}
+    default = rows["gradsync cap 25 MB (default)"]
+    assert default.step == pytest.approx(0.7)
+    assert default.ratio_to_torch == pytest.approx(0.7 / 0.8)
+    assert (default.limit, default.no_overlap) == (pytest.approx(0.6), pytest.approx(1.0))
+    assert default.efficiency == pytest.approx(0.75)
+    assert rows["torch DDP default"].efficiency == pytest.approx(0.5)
+    assert rows["compute only (local)"].efficiency is None
+    assert rows["compute only (local)"].comm == 0.0
+
+    verdicts = {what: met for what, met, _ in report.targets(result)}
+    assert verdicts["gradsync default step <= 1.0x torch DDP default"] is True
+    fastest = next(k for k in verdicts if k.startswith("fastest gradsync"))
+    assert verdicts[fastest] is True  # 0.75 (the default is also the fastest) > 0.5
+    (bw,) = report.busbw_rows(result)
+    # Ring bound 67.1 MB / 119.55 MB/s = 0.561 s against a 0.59 s median: 0.951 of the bound.
+    assert bw.ratio == pytest.approx(0.951, abs=1e-3)
+    busbw_target = next(k for k in verdicts if k.startswith("all-reduce bus bandwidth"))
+    assert verdicts[busbw_target] is True
+
+
+def test_loopback_has_no_ring_bound_and_reports_render(tmp_path: Path) -> None:
+    loop = fake_result(None) | {"label": "loopback"}
+    (bw,) = report.busbw_rows(loop)
+    assert bw.ring_bound is None and bw.ratio is None
+    assert not any(w.startswith("all-reduce") for w, _, _ in report.targets(loop))
+    text = report.markdown_report([fake_result(1000.0), loop], ["a.png"])
+    assert "| gradsync cap 25 MB (default) | 700 |" in text
+    assert "0.75" in text and "![a.png](a.png)" in text
+    report.plot_step_vs_bucket([fake_result(1000.0), loop], str(tmp_path / "a.png"))
+    report.plot_breakdown([fake_result(1000.0), loop], str(tmp_path / "b.png"))
+    assert (tmp_path / "a.png").stat().st_size > 1000
+    assert (tmp_path / "b.png").stat().st_size > 1000
