@@ -12,28 +12,26 @@ import sys
 from gradsync.bench import cli as bench_cli
 from gradsync.verify import cli as verify_cli
 
+SUBCOMMANDS = {
+    "verify": (verify_cli, "is my N-process training the same as 1-process training?"),
+    "bench": (bench_cli, "step time against torch DDP, overlap efficiency and bus bandwidth"),
+}
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="gradsync", description="Data-parallel training that equals one-device training."
     )
     sub = parser.add_subparsers(dest="command", required=True)
-    verify = sub.add_parser(
-        "verify",
-        help="is my N-process training the same as 1-process training?",
-        description=verify_cli.DESCRIPTION,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    verify_cli.add_arguments(verify)
-    verify.set_defaults(run=verify_cli.run)
-    bench = sub.add_parser(
-        "bench",
-        help="step time against torch DDP, overlap efficiency and bus bandwidth",
-        description=bench_cli.__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    bench_cli.add_arguments(bench)
-    bench.set_defaults(run=bench_cli.run)
+    for name, (module, summary) in SUBCOMMANDS.items():
+        command = sub.add_parser(
+            name,
+            help=summary,
+            description=module.DESCRIPTION,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+        module.add_arguments(command)
+        command.set_defaults(run=module.run)
     return parser
 
 

@@ -17,8 +17,8 @@ import torch
 from torch import nn
 from torch.utils.data import DistributedSampler, TensorDataset
 
+from gradsync.cli import main as gradsync_main
 from gradsync.verify import VerifyConfig, format_report, verify
-from gradsync.verify.__main__ import main
 from gradsync.verify.builtin import GLOBAL_BATCH, STEPS_PER_EPOCH, make_batch
 from gradsync.verify.diagnose import NO_SET_EPOCH, REPLICAS_DIFFER, SAME_DATA, SUM_NOT_MEAN
 
@@ -30,6 +30,10 @@ EXPECTED_CAUSE = {
     "no-broadcast": REPLICAS_DIFFER,
     "no-set-epoch": NO_SET_EPOCH,
 }
+
+
+def main(argv: list[str]) -> int:
+    return gradsync_main(["verify", *argv])
 
 
 def _rows(batch: tuple[torch.Tensor, ...]) -> Counter[tuple[int, ...]]:

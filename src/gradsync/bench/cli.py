@@ -220,15 +220,7 @@ def _update(bar: tqdm, progress: Path) -> None:
     bar.refresh()
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="gradsync bench",
-        description=DESCRIPTION,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    add_arguments(parser)
-    return run(parser.parse_args(argv))
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    from gradsync.cli import main  # here, not at the top: gradsync.cli imports this module
+
+    sys.exit(main(["bench", *sys.argv[1:]]))
