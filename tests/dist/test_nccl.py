@@ -33,30 +33,28 @@ def _model() -> GPT:
     return GPT(GPTConfig(vocab_size=32, block_size=32, n_layer=2, n_head=4, n_embd=64)).cuda()
 
 
-def _train(rank: int, world: int, bucket_cap_mb: float | None) -> dict[str, torch.Tensor]:
-    torch.use_deterministic_algorithms(True)
-    model = _model()
-    ddp = gradsync.DistributedDataParallel(model, bucket_cap_mb=bucket_cap_mb)
-    opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
+def _fit(model: torch.nn.Module, wrapped: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Train ``model`` for STEPS steps, calling it through ``wrapped``; its final parameters."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     for step in range(STEPS):
         opt.zero_grad()
         x, y = _batch(step)
-        lm_loss(ddp(x), y).backward()
+        lm_loss(wrapped(x), y).backward()
         opt.step()
     return {n: p.detach().cpu() for n, p in model.named_parameters()}
+
+
+def _train(rank: int, world: int, bucket_cap_mb: float | None) -> dict[str, torch.Tensor]:
+    torch.use_deterministic_algorithms(True)
+    model = _model()
+    return _fit(model, gradsync.DistributedDataParallel(model, bucket_cap_mb=bucket_cap_mb))
 
 
 def test_nccl_equals_gloo_and_single_process() -> None:
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS
     torch.use_deterministic_algorithms(True)
     model = _model()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    for step in range(STEPS):
-        opt.zero_grad()
-        x, y = _batch(step)
-        lm_loss(model(x), y).backward()
-        opt.step()
-    reference = {n: p.detach().cpu() for n, p in model.named_parameters()}
+    reference = _fit(model, model)
     for cap in (0, 25.0):
         nccl = spawn(_train, 1, (cap,), backend="nccl")[0]
         gloo = spawn(_train, 1, (cap,), backend="gloo")[0]  # gloo, on the same CUDA tensors

@@ -55,21 +55,22 @@ class StepTimeConfig:
     """"cpu", or "cuda" for rank r on GPU r (one rank per GPU, nccl)."""
     variants: tuple[Variant, ...] = field(default=DEFAULT_VARIANTS)
 
+    def gpt_config(self) -> GPTConfig:
+        return GPTConfig(
+            vocab_size=self.vocab_size,
+            block_size=self.block_size,
+            n_layer=self.n_layer,
+            n_head=self.n_head,
+            n_embd=self.n_embd,
+        )
+
 
 def _build(
     variant: Variant, cfg: StepTimeConfig
 ) -> tuple[nn.Module, nn.Module, Callable[[], None]]:
     """(model to call, underlying module, what to run after backward)."""
     torch.manual_seed(0)
-    gpt = GPT(
-        GPTConfig(
-            vocab_size=cfg.vocab_size,
-            block_size=cfg.block_size,
-            n_layer=cfg.n_layer,
-            n_head=cfg.n_head,
-            n_embd=cfg.n_embd,
-        )
-    ).to(_device(cfg))
+    gpt = GPT(cfg.gpt_config()).to(_device(cfg))
     if variant.kind == "naive":
         return gpt, gpt, lambda: gradsync.average_gradients(gpt)
     if variant.kind == "gradsync":
@@ -185,5 +186,5 @@ def markdown_table(rows: list[tuple[str, float, float]], baseline: str) -> str:
 
 
 def num_parameters(cfg: StepTimeConfig) -> int:
-    gpt = GPT(GPTConfig(cfg.vocab_size, cfg.block_size, cfg.n_layer, cfg.n_head, cfg.n_embd))
+    gpt = GPT(cfg.gpt_config())
     return sum(p.numel() for p in gpt.parameters())
