@@ -69,7 +69,6 @@ class Bucket:
 
     def reset(self) -> None:
         self.ready = [False] * len(self.params)
-        self.had_grad = [False] * len(self.params)
         self.pending = len(self.params)
         self.filled_late = False  # some slot was filled at the end of backward, not by a hook
         self.work = None
@@ -95,7 +94,6 @@ class Bucket:
                     param.grad = view
             elif scale is not None:
                 view.mul_(scale)  # .grad already is the view (gradient_as_bucket_view)
-            self.had_grad[slot] = True
         self.ready[slot] = True
         self.pending -= 1
 
@@ -147,10 +145,8 @@ class Reducer:
         self._items = torch.zeros(1, dtype=torch.float64, device=device)
         self._items_work: Handle | None = None
         self._local_nonfinite: list[str] = []
-        self._handles = [
+        for i, p in enumerate(self.params):
             p.register_post_accumulate_grad_hook(self._make_hook(i))
-            for i, p in enumerate(self.params)
-        ]
 
     # -- forward side ---------------------------------------------------------------------
     def prepare_for_backward(self, sync: bool) -> None:
@@ -393,8 +389,3 @@ class Reducer:
             "not train (requires_grad=False), or pass find_unused_parameters=True to count a "
             "missing gradient as zero."
         )
-
-    def remove_hooks(self) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles.clear()
