@@ -22,9 +22,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from gradsync.bench.report import bus_bandwidth
 from gradsync.comm import AllReduceAlgorithm, HierarchicalAllReduce, NativeAllReduce, RingAllReduce
 from gradsync.comm.ring import DEFAULT_SEGMENT_BYTES
-from gradsync.spawn import spawn
+from gradsync.testing.spawn import spawn
 
 MB = 1 << 20
 
@@ -38,7 +39,7 @@ def _time_once(algo: AllReduceAlgorithm, buf: torch.Tensor, src: torch.Tensor) -
     buf.copy_(src)  # fresh input every time, so repeated sums never overflow
     dist.barrier()
     start = time.perf_counter()
-    algo.all_reduce(buf, op="sum").wait()
+    algo.all_reduce(buf).wait()
     elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
     dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # the collective ends when the slowest rank does
     return float(elapsed.item())
@@ -82,7 +83,7 @@ def _table(world_size: int, local: int, results: dict[str, Any]) -> list[str]:
         nbytes = int(float(size) * MB) // 4 * 4
         medians = {name: statistics.median(ts) for name, ts in times.items()}
         for name, median in medians.items():
-            busbw = 2 * (world_size - 1) / world_size * nbytes / median / MB
+            busbw = bus_bandwidth(nbytes, world_size, median) / MB
             label = f"hierarchical (L={local})" if name == "hierarchical" else name
             rows.append(
                 f"| {world_size} | {size} | {label} | {median * 1e3:.1f} | {busbw:.0f} | "

@@ -1,18 +1,20 @@
 """Native gloo all_reduce bus bandwidth on a simulated cluster, against the ring bound.
 
 Run as root: ``python benchmarks/cluster_busbw.py [--nodes 2] [--rate-mbit 1000]``. It builds a
-:class:`gradsync.cluster.SimulatedCluster`, launches itself there with torchrun (``--worker``),
-and prints a markdown table.
+:class:`gradsync.testing.cluster.SimulatedCluster`, launches itself there with torchrun
+(``--worker``), and prints a markdown table.
 
-Why these choices (see ``shared/notes/simulated-cluster.md``):
+Why these choices (the pitfalls are numbered in :mod:`gradsync.testing.cluster`):
 
 * Sizes of 16 MiB and more: the tbf burst (~2 ms of bytes, pitfall 4) lets that much through
   unthrottled, so small messages can look faster than the link (claims are made on >= 16 MB).
 * The bound uses the TCP payload rate, 1448/1514 = 95.6 % of the tc rate (pitfall 5): a ring
   all-reduce moves 2(N-1)/N x bytes over each link direction, so it needs at least
   ``2(N-1)/N * bytes / payload_rate`` seconds; ``ratio`` = bound / measured (1.0 = at the bound).
-* Each timed call starts after a barrier and counts its slowest rank (a MAX all-reduce of the
-  elapsed times); the median over ``--iters`` runs after ``--warmup`` untimed ones is reported.
+  The formulas are :mod:`gradsync.bench.report`'s.
+* Each timed call starts after a barrier and counts its slowest rank
+  (:func:`gradsync.testing.busbw.allreduce_times`); the median over ``--iters`` runs after
+  ``--warmup`` untimed ones is reported.
 """
 
 from __future__ import annotations
@@ -21,7 +23,6 @@ import argparse
 import json
 import statistics
 import sys
-import time
 from datetime import timedelta
 
 MIB = 2**20
@@ -29,22 +30,14 @@ MIB = 2**20
 
 def worker(sizes_mib: list[int], iters: int, warmup: int) -> None:
     """Runs on every rank: time all_reduce per size, print one JSON line per size on rank 0."""
-    import torch
     import torch.distributed as dist
+
+    from gradsync.testing.busbw import allreduce_times
 
     dist.init_process_group("gloo", timeout=timedelta(seconds=120))
     rank, world = dist.get_rank(), dist.get_world_size()
     for size in sizes_mib:
-        x = torch.ones(size * MIB // 4, dtype=torch.float32)
-        times = []
-        for i in range(warmup + iters):
-            dist.barrier()
-            t0 = time.perf_counter()
-            dist.all_reduce(x)
-            dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-            dist.all_reduce(dt, op=dist.ReduceOp.MAX)
-            if i >= warmup:
-                times.append(dt.item())
+        times = allreduce_times(size * MIB // 4, iters, warmup)
         if rank == 0:
             row = {"size_mib": size, "world": world, "median_s": statistics.median(times)}
             row |= {"min_s": min(times), "max_s": max(times), "n": len(times)}
@@ -53,7 +46,8 @@ def worker(sizes_mib: list[int], iters: int, warmup: int) -> None:
 
 
 def driver(args: argparse.Namespace) -> int:
-    from gradsync.cluster import PAYLOAD_FRACTION, SimulatedCluster
+    from gradsync.bench.report import bus_bandwidth, payload_rate, ring_bound_s
+    from gradsync.testing.cluster import SimulatedCluster
 
     ok, reason = SimulatedCluster.available()
     if not ok:
@@ -72,9 +66,8 @@ def driver(args: argparse.Namespace) -> int:
         for line in results[0].stdout.splitlines()
         if line.startswith("BUSBW_JSON ")
     ]
-    payload = args.rate_mbit * 1e6 / 8 * PAYLOAD_FRACTION  # bytes/s of TCP payload per link
+    payload = payload_rate(args.rate_mbit)  # bytes/s of TCP payload per link
     world = args.nodes * args.nproc_per_node
-    factor = 2 * (world - 1) / world
     print(
         f"gloo all_reduce, float32, {args.nodes} nodes x {args.nproc_per_node} rank(s), "
         f"{args.rate_mbit:g} Mbit/s per link direction (payload {payload / 1e6:.1f} MB/s), "
@@ -84,8 +77,8 @@ def driver(args: argparse.Namespace) -> int:
     print("|---:|---:|---:|---:|---:|")
     for row in rows:
         nbytes = row["size_mib"] * MIB
-        bound = factor * nbytes / payload
-        busbw = factor * nbytes / row["median_s"] / 1e6
+        bound = ring_bound_s(nbytes, world, payload)
+        busbw = bus_bandwidth(nbytes, world, row["median_s"]) / 1e6
         print(
             f"| {row['size_mib']} MiB | {row['median_s']:.3f} | {busbw:.1f} | {bound:.3f} "
             f"| {bound / row['median_s']:.3f} |"

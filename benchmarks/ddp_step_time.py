@@ -24,7 +24,7 @@ from gradsync.bench.steptime import (
     run_rank,
     summarize,
 )
-from gradsync.spawn import spawn
+from gradsync.testing.spawn import spawn
 
 
 def main() -> None:

@@ -28,8 +28,8 @@ from tqdm import tqdm
 
 import gradsync
 from gradsync.checkpoint import load_checkpoint, save_checkpoint
-from gradsync.examples.corpus import CharDataset, generate_corpus
-from gradsync.examples.gpt import GPT, GPTConfig, lm_loss
+from gradsync.testing.corpus import CharDataset, generate_corpus
+from gradsync.testing.gpt import GPT, GPTConfig, lm_loss
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

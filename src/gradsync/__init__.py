@@ -1,13 +1,17 @@
 """gradsync: data-parallel training on torch.distributed that equals one-device training."""
 
-from gradsync.ddp import (
+from gradsync.ddp.diagnostics import any_rank
+from gradsync.ddp.naive import average_gradients
+from gradsync.ddp.wrapper import DistributedDataParallel
+from gradsync.errors import (
     CollectiveTimeoutError,
-    DistributedDataParallel,
+    GradsyncError,
+    ModelMismatchError,
     NonFiniteGradientError,
+    ProtocolError,
     ReplicaMismatchError,
     UnusedParametersError,
-    any_rank,
-    average_gradients,
+    UsageError,
 )
 
 __version__ = "0.1.0"
@@ -15,9 +19,13 @@ __version__ = "0.1.0"
 __all__ = [
     "CollectiveTimeoutError",
     "DistributedDataParallel",
+    "GradsyncError",
+    "ModelMismatchError",
     "NonFiniteGradientError",
+    "ProtocolError",
     "ReplicaMismatchError",
     "UnusedParametersError",
+    "UsageError",
     "any_rank",
     "average_gradients",
 ]

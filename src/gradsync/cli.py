@@ -1,20 +1,22 @@
-"""The ``gradsync`` command: ``gradsync verify`` and ``gradsync bench``.
+"""The ``gradsync`` command: ``gradsync verify``, ``gradsync bench`` and ``gradsync cluster``.
 
-Each subcommand lives next to what it drives (``verify/cli.py``, ``bench/cli.py``) and exposes
+This and ``python -m gradsync`` are the only entry points. Each verb lives next to what it drives
+(``verify/cli.py``, ``bench/cli.py``, ``testing/cluster.py``) and exposes ``DESCRIPTION``,
 ``add_arguments(parser)`` and ``run(args) -> exit code``; this module only routes.
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 
 from gradsync.bench import cli as bench_cli
+from gradsync.testing import cluster as cluster_cli
 from gradsync.verify import cli as verify_cli
 
 SUBCOMMANDS = {
     "verify": (verify_cli, "is my N-process training the same as 1-process training?"),
     "bench": (bench_cli, "step time against torch DDP, overlap efficiency and bus bandwidth"),
+    "cluster": (cluster_cli, "run a torchrun script across simulated nodes (needs root)"),
 }
 
 
@@ -38,7 +40,3 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     return int(args.run(args))
-
-
-if __name__ == "__main__":
-    sys.exit(main())

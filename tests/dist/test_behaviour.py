@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 import gradsync
-from gradsync.spawn import spawn
+from gradsync.testing.spawn import spawn
 
 import toy
 
@@ -191,7 +191,7 @@ def test_errors_are_raised_on_every_rank() -> None:
     world = 3
     per_rank = spawn(_errors, world)
     for out in per_rank:
-        assert out["extra_layer"] and out["extra_layer"].startswith("ValueError"), out
+        assert out["extra_layer"] and out["extra_layer"].startswith("ModelMismatchError"), out
         assert "'extra.weight'" in out["extra_layer"] and f"rank {world - 1}" in out["extra_layer"]
         assert "'body.bias'" in out["missing_bias"] and "rank 1" in out["missing_bias"], out
         assert "'bucket_cap_mb'" in out["setting"] and "rank 1" in out["setting"], out

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from test_behaviour import count_collectives, error_text
 
 import gradsync
-from gradsync.spawn import spawn
+from gradsync.testing.spawn import spawn
 
 import toy
 
@@ -211,7 +211,7 @@ def test_collective_outside_join_is_an_error_not_a_hang() -> None:
     assert "ran out of data" in joined["error"]
     assert joined["seconds"] < 3 + 10
     for rank in (0, 2):  # stuck in the foreign all_reduce: they fail too, within seconds
-        failed = isinstance(out[rank], gradsync.spawn.RankFailure) or out[rank]["error"]
+        failed = isinstance(out[rank], gradsync.testing.spawn.RankFailure) or out[rank]["error"]
         assert failed, out[rank]
 
 

@@ -7,7 +7,7 @@ import torch
 
 import gradsync
 import gradsync.comm
-from gradsync.spawn import spawn
+from gradsync.testing.spawn import spawn
 
 import toy
 

@@ -13,8 +13,8 @@ import torch
 import torch.distributed as dist
 
 import gradsync
-from gradsync.examples.gpt import GPT, GPTConfig, lm_loss
-from gradsync.spawn import spawn
+from gradsync.testing.gpt import GPT, GPTConfig, lm_loss
+from gradsync.testing.spawn import spawn
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() or not dist.is_nccl_available(), reason="needs CUDA and NCCL"

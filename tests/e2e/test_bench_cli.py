@@ -20,7 +20,7 @@ import pytest
 def test_bench_cli_on_loopback_writes_report_and_plots(tmp_path: Path) -> None:
     out = tmp_path / "bench"
     cmd = [
-        sys.executable, "-m", "gradsync.bench.cli", "--where", "loopback", "--out", str(out),
+        sys.executable, "-m", "gradsync", "bench", "--where", "loopback", "--out", str(out),
         "--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--block-size", "16",
         "--rounds", "1", "--warmup", "0", "--caps", "0", "25", "none",
         "--busbw-sizes-mib", "1", "--busbw-iters", "1", "--busbw-warmup", "0",

@@ -1,8 +1,8 @@
-"""End-to-end tests of the simulated multi-node cluster (``gradsync.cluster``).
+"""End-to-end tests of the simulated multi-node cluster (``gradsync.testing.cluster``).
 
 They need root and ``ip netns``; elsewhere the whole module skips with the reason
 ``SimulatedCluster.available()`` gives. Every launch runs under a hard timeout, so a networking
-mistake fails the test instead of hanging the suite (notes, pitfall 1).
+mistake fails the test instead of hanging the suite (pitfall 1 in ``gradsync.testing.cluster``).
 """
 
 from __future__ import annotations
@@ -19,13 +19,12 @@ from pathlib import Path
 
 import pytest
 
-from gradsync.cluster import SimulatedCluster
+from gradsync.testing.cluster import SimulatedCluster
 
 AVAILABLE, REASON = SimulatedCluster.available()
 pytestmark = [pytest.mark.skipif(not AVAILABLE, reason=REASON), pytest.mark.timeout(120)]
 
 SCRIPTS = Path(__file__).parent / "scripts"
-CLUSTER_PY = Path(__file__).resolve().parents[2] / "src" / "gradsync" / "cluster.py"
 
 
 def netns_list() -> set[str]:
@@ -97,16 +96,11 @@ def test_existing_namespace_is_never_deleted() -> None:
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_teardown_on_signal(sig: signal.Signals) -> None:
     """A killed driver still removes its namespaces (signal handler while active)."""
-    # Load cluster.py by path: it needs only the standard library, and skipping the package
-    # import (which pulls in torch) keeps this test well under a second.
     driver = textwrap.dedent(
-        f"""
-        import importlib.util, sys, time
-        spec = importlib.util.spec_from_file_location("cluster", {str(CLUSTER_PY)!r})
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules["cluster"] = mod
-        spec.loader.exec_module(mod)
-        with mod.SimulatedCluster(2) as c:
+        """
+        import time
+        from gradsync.testing.cluster import SimulatedCluster
+        with SimulatedCluster(2) as c:
             print(" ".join(c.nodes + [c.bridge_namespace]), flush=True)
             time.sleep(60)
         """
@@ -148,7 +142,7 @@ def test_torchrun_allreduce_across_nodes(cluster: SimulatedCluster, nproc: int) 
             assert fields["node"] == str(r.node)
             assert fields["addr"] == cluster.address(r.node)  # left through its own veth
             assert fields["addrs"] == expected_addrs
-        # TMPDIR took torchrun's torchelastic_* folder into the cluster's temp dir (pitfall 9).
+        # TMPDIR took torchrun's torchelastic_* folder into the cluster's temp dir (pitfall 8).
         assert any(p.startswith("torchelastic_") for p in os.listdir(cluster.env(r.node)["TMPDIR"]))
 
 

@@ -1,6 +1,6 @@
 """The main job across simulated nodes: ``examples/train_gpt.py`` on 2x1 and 2x2 ranks.
 
-Each node is a network namespace (``gradsync.cluster``), so gloo really crosses a (shaped)
+Each node is a network namespace (``gradsync.testing.cluster``), so gloo really crosses a (shaped)
 veth link and torchrun really does a static rendezvous with a remote master, as on two
 machines. The job checks itself: rank 0 retrains in one process and prints PASS only if the
 parameters agree (float64, tolerance 1e-9), and exits 1 otherwise. Needs root; elsewhere the
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from gradsync.cluster import NodeResult, SimulatedCluster
+from gradsync.testing.cluster import NodeResult, SimulatedCluster
 
 AVAILABLE, REASON = SimulatedCluster.available()
 pytestmark = [pytest.mark.skipif(not AVAILABLE, reason=REASON), pytest.mark.timeout(120)]

@@ -58,7 +58,7 @@ def test_builtin_shards_add_up_to_the_global_batch(world: int) -> None:
 def test_clean_run_passes_from_the_command_line(tmp_path: Path) -> None:
     env = dict(os.environ, OMP_NUM_THREADS="1", TMPDIR=str(tmp_path))
     proc = subprocess.run(
-        [sys.executable, "-m", "gradsync.verify", "--steps", "4"],
+        [sys.executable, "-m", "gradsync", "verify", "--steps", "4"],
         cwd=tmp_path,
         env=env,
         capture_output=True,

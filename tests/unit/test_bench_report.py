@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from gradsync.bench import report
-from gradsync.cluster import PAYLOAD_FRACTION
+from gradsync.testing.netns import PAYLOAD_FRACTION
 
 
 def test_overlap_efficiency_spans_no_overlap_to_limit() -> None:

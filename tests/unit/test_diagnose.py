@@ -17,10 +17,10 @@ from gradsync.verify.diagnose import (
     UNEXPLAINED,
     Evidence,
     StepRecord,
-    batch_fingerprint,
     diagnose,
     epoch_order_fingerprints,
     first_divergence,
+    samples_fingerprint,
 )
 
 TOL = 1e-4
@@ -221,9 +221,9 @@ def test_divergence_with_clean_evidence_is_unexplained_and_says_where() -> None:
     assert "BatchNorm" in d.fix and "dropout" in d.fix
 
 
-def test_batch_fingerprint_ignores_order_inside_a_batch_but_not_content() -> None:
-    assert batch_fingerprint(["a", "b", "c"]) == batch_fingerprint(["c", "a", "b"])
-    assert batch_fingerprint(["a", "b"]) != batch_fingerprint(["a", "b", "b"])
+def test_samples_fingerprint_ignores_order_inside_a_batch_but_not_content() -> None:
+    assert samples_fingerprint(["a", "b", "c"]) == samples_fingerprint(["c", "a", "b"])
+    assert samples_fingerprint(["a", "b"]) != samples_fingerprint(["a", "b", "b"])
 
 
 def test_epoch_order_fingerprints_cover_a_partial_last_epoch() -> None:

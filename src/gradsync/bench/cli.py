@@ -4,11 +4,12 @@
     gradsync bench --where loopback --rounds 3      # no root needed
     gradsync bench --rate-mbit 500 --out runs/bench-500
 
-(``python -m gradsync.bench.cli`` takes the same flags.) Both settings run two ranks, one thread
+(``python -m gradsync bench`` takes the same flags.) Both settings run two ranks, one thread
 each, and the same worker (:mod:`gradsync.bench.worker`): on a
-:class:`~gradsync.cluster.SimulatedCluster` of 2 nodes x 1 rank under torchrun, where every byte
-crosses a shaped link, and on loopback through :func:`gradsync.spawn.spawn`, where the link is
-nearly free and compute dominates. They run one after the other: both share this machine's CPUs.
+:class:`~gradsync.testing.cluster.SimulatedCluster` of 2 nodes x 1 rank under torchrun, where every
+byte crosses a shaped link, and on loopback through :func:`gradsync.testing.spawn.spawn`, where
+the link is nearly free and compute dominates. They run one after the other: both share this
+machine's CPUs.
 
 Writes ``results.json`` (every timing), ``report.md`` (the tables, also printed) and two plots
 to ``--out``. The default model (12.7M parameters, 50.7 MB of float32 gradients) and link rate
@@ -70,7 +71,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Measure every requested setting, then write the JSON, report and plots; 0 on success."""
-    from gradsync.cluster import SimulatedCluster
+    from gradsync.testing.cluster import SimulatedCluster
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -121,12 +122,13 @@ def _worker_flags(args: argparse.Namespace) -> list[str]:
 
 def _run_cluster(args: argparse.Namespace, out: Path) -> dict[str, Any] | None:
     """2 simulated nodes x 1 rank under torchrun; the worker writes JSON from rank 0."""
-    from gradsync.cluster import SimulatedCluster
+    from gradsync.testing.cluster import SimulatedCluster
 
     label = f"simulated {NODES} nodes x 1 rank, {args.rate_mbit:g} Mbit/s"
     json_path = out / "cluster.json"
     json_path.unlink(missing_ok=True)
     progress = out / "cluster.progress"
+    # The worker is a rank program run by torchrun (not a user entry point).
     argv = ["-m", "gradsync.bench.worker", "--out", str(json_path.resolve())]
     argv += ["--progress", str(progress.resolve()), "--timeout-s", str(args.timeout_s)]
     argv += _worker_flags(args)
@@ -138,7 +140,7 @@ def _run_cluster(args: argparse.Namespace, out: Path) -> dict[str, Any] | None:
                 argv,
                 nproc_per_node=1,
                 timeout_s=args.timeout_s,
-                extra_env={"OMP_NUM_THREADS": "1"},  # the notes' pitfall 3: never oversubscribe
+                extra_env={"OMP_NUM_THREADS": "1"},  # never oversubscribe (cluster pitfall 3)
             ),
         )
     if not all(r.ok for r in results) or not json_path.exists():
@@ -151,9 +153,10 @@ def _run_cluster(args: argparse.Namespace, out: Path) -> dict[str, Any] | None:
 
 
 def _run_loopback(args: argparse.Namespace, out: Path) -> dict[str, Any] | None:
-    """2 ranks on loopback through :func:`gradsync.spawn.spawn` (file store, no ports)."""
+    """2 ranks on loopback through :func:`gradsync.testing.spawn.spawn` (file store, no ports)."""
     from gradsync.bench.worker import spawn_rank
-    from gradsync.spawn import SpawnError, spawn
+    from gradsync.errors import SpawnError
+    from gradsync.testing.spawn import spawn
 
     label = "loopback, 2 ranks"
     progress = out / "loopback.progress"
@@ -218,9 +221,3 @@ def _update(bar: tqdm, progress: Path) -> None:
     bar.n = int(done)
     bar.set_postfix_str(what, refresh=False)
     bar.refresh()
-
-
-if __name__ == "__main__":
-    from gradsync.cli import main  # here, not at the top: gradsync.cli imports this module
-
-    sys.exit(main(["bench", *sys.argv[1:]]))

@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from gradsync.cluster import PAYLOAD_FRACTION
+from gradsync.testing.netns import PAYLOAD_FRACTION
 
 MIB = 2**20
 TARGET_BUSBW_BYTES = 64 * MIB  # the bus-bandwidth target is stated at 64 MB

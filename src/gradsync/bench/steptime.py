@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 import gradsync
-from gradsync.examples.gpt import GPT, GPTConfig, lm_loss
+from gradsync.testing.gpt import GPT, GPTConfig, lm_loss
 
 
 @dataclass(frozen=True)
@@ -165,7 +165,7 @@ def time_interleaved(
 
 
 def run_rank(rank: int, world: int, cfg: StepTimeConfig) -> dict[str, list[float]]:
-    """Rank body (for :func:`gradsync.spawn.spawn` or torchrun): step times per variant."""
+    """Rank body (for :func:`gradsync.testing.spawn.spawn` or torchrun): step times per variant."""
     tasks, _ = make_step_tasks(rank, cfg)
     return time_interleaved(tasks, warmup=cfg.warmup, rounds=cfg.rounds, device=cfg.device)
 

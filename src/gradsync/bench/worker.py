@@ -5,7 +5,7 @@
         --master-port 29500 -m gradsync.bench.worker --out results.json          # R = 0, 1
 
 It initialises from torchrun's environment, so the same module runs on loopback and across
-(simulated or real) nodes. Three measurements, in this order:
+(simulated or real) nodes. Two measurements, in this order:
 
 1. Step time of every variant and, interleaved in the same rounds, the two quantities a step is
    made of: compute alone (the ``local`` variant, which synchronises nothing) and communication
@@ -13,10 +13,14 @@ It initialises from torchrun's environment, so the same module runs on loopback 
    same sizes, in the same order and the same way (one blocking call per parameter for
    ``average_gradients``; all buckets launched asynchronously, then waited for, for the
    bucketed wrappers), plus one flat all-reduce of every gradient byte.
-2. Bus bandwidth of single large all-reduces, for the ring bound (claims need >= 16 MB; see
-   ``shared/notes/simulated-cluster.md``, pitfall 4).
+2. Bus bandwidth of single large all-reduces, for the ring bound (claims need >= 16 MB: a shaped
+   link lets a burst of bytes through unthrottled, pitfall 4 in :mod:`gradsync.testing.cluster`).
 
-Timing follows :func:`gradsync.bench.steptime.time_interleaved`: barrier, slowest rank, medians.
+Step times follow :func:`gradsync.bench.steptime.time_interleaved` and bus bandwidth
+:func:`gradsync.testing.busbw.allreduce_times`: barrier first, slowest rank, medians.
+
+This is a rank program that ``gradsync bench`` hands to torchrun (``-m gradsync.bench.worker``),
+not a user entry point: users run ``gradsync bench`` (or ``python -m gradsync bench``).
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ from gradsync.bench.steptime import (
     num_parameters,
     time_interleaved,
 )
+from gradsync.testing.busbw import allreduce_times
 
 MIB = 2**20
 COMM_PREFIX = "comm|"
@@ -131,21 +136,19 @@ def comm_task(numels: Sequence[int], dtype: torch.dtype, blocking: bool) -> Call
 def time_allreduce(
     sizes_bytes: Sequence[int], iters: int, warmup: int, on_size: Callable[[], None]
 ) -> list[dict[str, Any]]:
-    """Median-ready times of one float32 all-reduce per size (barrier first, slowest rank)."""
+    """Times of one float32 all-reduce per size (:func:`gradsync.testing.busbw.allreduce_times`:
+    barrier first, slowest rank)."""
     rows = []
     for nbytes in sizes_bytes:
-        task = comm_task([nbytes // 4], torch.float32, blocking=True)
-        times = time_interleaved({"x": task}, warmup=warmup, rounds=iters)
-        rows.append({"size_bytes": nbytes // 4 * 4, "times_s": times["x"]})
+        times = allreduce_times(nbytes // 4, iters, warmup)
+        rows.append({"size_bytes": nbytes // 4 * 4, "times_s": times})
         on_size()
     return rows
 
 
-def run(args: argparse.Namespace) -> dict[str, Any] | None:
-    """Every rank: measure; rank 0 returns the results (others ``None``)."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    caps = [parse_cap(c) for c in args.caps]
-    cfg = StepTimeConfig(
+def step_config(args: argparse.Namespace) -> StepTimeConfig:
+    """The model, batch, rounds and variants that the flags of :func:`add_model_arguments` set."""
+    return StepTimeConfig(
         n_layer=args.n_layer,
         n_embd=args.n_embd,
         n_head=args.n_head,
@@ -154,8 +157,14 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
         batch_per_rank=args.batch_per_rank,
         warmup=args.warmup,
         rounds=args.rounds,
-        variants=bench_variants(caps),
+        variants=bench_variants([parse_cap(c) for c in args.caps]),
     )
+
+
+def run(args: argparse.Namespace) -> dict[str, Any] | None:
+    """Every rank: measure; rank 0 returns the results (others ``None``)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    cfg = step_config(args)
     total = 1 + cfg.warmup + cfg.rounds + len(args.busbw_sizes_mib)
     progress = Progress(args.progress if rank == 0 else None, total)
 
@@ -214,7 +223,7 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
 
 
 def spawn_rank(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any] | None:
-    """Rank body for :func:`gradsync.spawn.spawn` (loopback): the same measurement as torchrun's."""
+    """Rank body for :func:`gradsync.testing.spawn.spawn` (loopback): torchrun's measurement."""
     return run(args)
 
 
@@ -295,4 +304,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    # The rank program torchrun starts for `gradsync bench`, not a command of its own.
     sys.exit(main())

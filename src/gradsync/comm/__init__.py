@@ -1,9 +1,10 @@
-"""All-reduce algorithms behind one interface (:class:`AllReduceAlgorithm`)."""
+"""Collectives: all-reduce algorithms behind one interface, and the bucket communication seam."""
 
 from __future__ import annotations
 
 from gradsync.comm.algorithm import AllReduceAlgorithm, CommStats, Handle
 from gradsync.comm.hierarchical import HierarchicalAllReduce
+from gradsync.comm.hook import AllReduceHook, CommHook
 from gradsync.comm.native import NativeAllReduce
 from gradsync.comm.ring import RingAllReduce
 
@@ -29,6 +30,8 @@ def get_algorithm(algorithm: str | AllReduceAlgorithm) -> AllReduceAlgorithm:
 __all__ = [
     "ALGORITHMS",
     "AllReduceAlgorithm",
+    "AllReduceHook",
+    "CommHook",
     "CommStats",
     "Handle",
     "HierarchicalAllReduce",

@@ -1,8 +1,10 @@
 """The extension point for all-reduce: one small interface, several algorithms behind it.
 
-An algorithm takes a tensor, an op and a process group and starts an in-place all-reduce,
+An algorithm takes a tensor and a process group and starts an in-place sum over the group,
 returning a handle with ``wait()``, like ``dist.all_reduce(..., async_op=True)`` does. The
-data-parallel wrapper calls it once per bucket and never needs to know which algorithm runs.
+reducer reaches it through the bucket communication seam (``hook.py``) and never needs to know
+which algorithm runs. Only sums: what a sum is divided by is the reduction's business
+(``gradsync.ddp.reduction``), not the wire's.
 """
 
 from __future__ import annotations
@@ -10,13 +12,10 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Literal, Protocol
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
-
-ReduceOpName = Literal["sum", "avg"]
-REDUCE_OPS: tuple[str, ...] = ("sum", "avg")
 
 
 class Handle(Protocol):
@@ -44,8 +43,8 @@ class CommStats:
 class AllReduceAlgorithm(ABC):
     """Base class of every all-reduce algorithm.
 
-    Subclasses implement :meth:`all_reduce`; the result must land in ``tensor`` in place and be
-    identical on every rank of ``group``. ``"avg"`` is the sum divided by the group size.
+    Subclasses implement :meth:`all_reduce`; the sum must land in ``tensor`` in place and be
+    identical on every rank of ``group``.
     """
 
     name: str = "abstract"
@@ -54,12 +53,5 @@ class AllReduceAlgorithm(ABC):
         self.stats = CommStats()
 
     @abstractmethod
-    def all_reduce(
-        self, tensor: torch.Tensor, op: ReduceOpName = "sum", group: dist.ProcessGroup | None = None
-    ) -> Handle:
-        """Start an in-place all-reduce of ``tensor`` over ``group`` and return its handle."""
-
-
-def check_op(op: str) -> None:
-    if op not in REDUCE_OPS:
-        raise ValueError(f"unsupported reduce op {op!r}; expected one of {REDUCE_OPS}")
+    def all_reduce(self, tensor: torch.Tensor, group: dist.ProcessGroup | None = None) -> Handle:
+        """Start an in-place sum of ``tensor`` over ``group`` and return its handle."""

@@ -17,18 +17,15 @@ shared with :mod:`gradsync.comm.hierarchical`.
 
 from __future__ import annotations
 
-import queue
-import threading
 from abc import abstractmethod
-from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Generic, TypeVar
 
 import torch
 import torch.distributed as dist
 
-from gradsync.comm.algorithm import AllReduceAlgorithm, CommStats, Handle, ReduceOpName, check_op
+from gradsync.comm.algorithm import AllReduceAlgorithm, CommStats, Handle
+from gradsync.comm.worker import SerialWorker
 
 # Half-precision chunks are added in float32 and rounded back once per step. The running partial
 # sum has to cross the wire in the tensor's own dtype at every step (sending float32 would double
@@ -255,86 +252,6 @@ class RingRunner:
             work.wait()
 
 
-class AsyncHandle:
-    """Completion of one job on a :class:`SerialWorker`; ``wait()`` re-raises the job's error."""
-
-    def __init__(self) -> None:
-        self._done = threading.Event()
-        self._error: BaseException | None = None
-
-    def _finish(self, error: BaseException | None) -> None:
-        self._error = error
-        self._done.set()
-
-    def is_completed(self) -> bool:
-        return self._done.is_set()
-
-    def wait(self, timeout: timedelta | None = None) -> bool:
-        """Block until done; ``RuntimeError`` if that takes longer than ``timeout``, like
-        ``dist.Work.wait``. A timed-out job keeps running, so a later ``wait`` may succeed."""
-        seconds = None if timeout is None else max(timeout.total_seconds(), 0.0)
-        if not self._done.wait(seconds):
-            raise RuntimeError(f"all-reduce did not complete within {timeout}")
-        if self._error is not None:
-            raise self._error
-        return True
-
-
-class SerialWorker:
-    """One daemon thread running submitted jobs one at a time, in submission order.
-
-    A single thread per algorithm instance is what keeps messages of successive all-reduces from
-    interleaving: every rank runs the same sequence of jobs, each to completion. After a job fails
-    its peers may be left mid-ring, so later jobs fail at once instead of talking to them.
-    """
-
-    def __init__(self, name: str) -> None:
-        self._name = name
-        self._queue: queue.SimpleQueue[tuple[Callable[[], None], AsyncHandle] | None] = (
-            queue.SimpleQueue()
-        )
-        self._thread: threading.Thread | None = None
-        self._lock = threading.Lock()
-        self._failure: BaseException | None = None
-
-    def submit(self, job: Callable[[], None]) -> AsyncHandle:
-        handle = AsyncHandle()
-        with self._lock:
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
-                self._thread.start()
-            self._queue.put((job, handle))
-        return handle
-
-    def close(self) -> None:
-        """Finish the queued jobs, then stop the thread (a later ``submit`` starts a new one)."""
-        with self._lock:
-            thread, self._thread = self._thread, None
-            if thread is not None:
-                self._queue.put(None)
-        if thread is not None:
-            thread.join()
-
-    def _run(self) -> None:
-        while True:
-            item = self._queue.get()
-            if item is None:
-                return
-            job, handle = item
-            if self._failure is not None:
-                err = RuntimeError(f"{self._name}: an earlier all-reduce failed")
-                err.__cause__ = self._failure
-                handle._finish(err)
-                continue
-            try:
-                job()
-            except BaseException as exc:  # handed to wait(), which re-raises it in the caller
-                self._failure = exc
-                handle._finish(exc)
-            else:
-                handle._finish(None)
-
-
 PlanT = TypeVar("PlanT")
 
 
@@ -343,8 +260,7 @@ class ThreadedAllReduce(AllReduceAlgorithm, Generic[PlanT]):
 
     The caller's thread validates, flattens and calls :meth:`_prepare` (anything collective that
     must happen in program order, like creating process groups); the worker thread runs
-    :meth:`_sum` on a flat contiguous view, divides for ``"avg"`` and copies back into a
-    non-contiguous input.
+    :meth:`_sum` on a flat contiguous view and copies back into a non-contiguous input.
     """
 
     def __init__(self, segment_bytes: int = DEFAULT_SEGMENT_BYTES) -> None:
@@ -352,15 +268,9 @@ class ThreadedAllReduce(AllReduceAlgorithm, Generic[PlanT]):
         self._runner = RingRunner(self.stats, segment_bytes)
         self._worker = SerialWorker(f"gradsync-{self.name}")
 
-    def all_reduce(
-        self, tensor: torch.Tensor, op: ReduceOpName = "sum", group: dist.ProcessGroup | None = None
-    ) -> Handle:
-        check_op(op)
-        if op == "avg" and not (tensor.is_floating_point() or tensor.is_complex()):
-            raise ValueError(f"op 'avg' needs a floating-point tensor, got dtype {tensor.dtype}")
+    def all_reduce(self, tensor: torch.Tensor, group: dist.ProcessGroup | None = None) -> Handle:
         if dist.get_rank(group) < 0:
             raise ValueError("this rank is not a member of the process group passed to all_reduce")
-        world_size = dist.get_world_size(group)
         plan = self._prepare(group)
         self.stats.calls += 1
         contiguous = tensor.is_contiguous()
@@ -369,8 +279,6 @@ class ThreadedAllReduce(AllReduceAlgorithm, Generic[PlanT]):
         def job() -> None:
             if flat.numel() > 0:
                 self._sum(flat, plan)
-            if op == "avg":
-                flat.div_(world_size)  # the same op as NativeAllReduce, so results match bitwise
             if not contiguous:
                 tensor.copy_(flat.view(tensor.shape))
 
@@ -404,17 +312,3 @@ class RingAllReduce(ThreadedAllReduce[Ring]):
 
     def _sum(self, flat: torch.Tensor, plan: Ring) -> None:
         self._runner.all_reduce(flat, plan)
-
-
-__all__ = [
-    "DEFAULT_SEGMENT_BYTES",
-    "AsyncHandle",
-    "Ring",
-    "RingAllReduce",
-    "SerialWorker",
-    "ThreadedAllReduce",
-    "chunk_bounds",
-    "group_ring",
-    "RingRunner",
-    "segment_bounds",
-]

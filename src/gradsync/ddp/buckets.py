@@ -1,18 +1,24 @@
-"""Bucket planning: which gradients travel together. Pure functions, no process group.
+"""Buckets: which gradients travel together (planning, pure) and the flat buffer they share.
 
 Gradients become ready roughly in reverse registration order (the last layer's first), so
 buckets are filled in that order: the first bucket to fill is the first to be sent, while
 autograd is still computing the rest. One all-reduce per bucket amortises the per-call latency
 that one all-reduce per parameter would pay ~100 times per step. (Li et al., "PyTorch
 Distributed: Experiences on Accelerating Data Parallel Training", VLDB 2020, section 3.2.)
+
+Planning (:func:`plan_buckets`) is pure: sizes in, layout out, no process group, so it is
+tested on its own. :class:`Bucket` is one planned bucket made real: a flat buffer of gradients
+followed by one used flag per parameter (see [Note: used flags] in ``reducer.py``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+from torch import nn
 
 MB = 1024 * 1024  # bucket_cap_mb counts MiB, as in torch DDP
 
@@ -90,3 +96,51 @@ def plan_buckets(
     for dtype in list(open_):
         close(dtype)
     return specs
+
+
+class Bucket:
+    """One flat buffer of gradients plus a used flag per parameter, and its fill state."""
+
+    def __init__(self, spec: BucketSpec, params: Sequence[nn.Parameter]) -> None:
+        self.spec = spec
+        self.params = list(params)
+        device = self.params[0].device
+        self.buffer = torch.zeros(spec.numel + len(params), dtype=spec.dtype, device=device)
+        self.grads = self.buffer[: spec.numel]
+        self.used_flags = self.buffer[spec.numel :]
+        self.views = [
+            self.buffer[off : off + p.numel()].view(p.shape)
+            for off, p in zip(spec.offsets, self.params, strict=True)
+        ]
+        self.work: Any = None  # the handle of this bucket's communication, once launched
+        self.reset()
+
+    def reset(self) -> None:
+        self.ready = [False] * len(self.params)
+        self.pending = len(self.params)
+        self.filled_late = False  # some slot was filled at the end of backward, not by a hook
+        self.work = None
+
+    def mark_param_as_ready(
+        self, slot: int, as_view: bool, scale: float | None = None, zeros: bool = False
+    ) -> None:
+        """Put ``params[slot].grad`` times ``scale`` (zeros if it has none, or if ``zeros``)
+        into the buffer. Scaling while copying saves a second pass over the bucket, as torch
+        DDP does with its pre-division."""
+        assert not self.ready[slot], "a parameter was marked ready twice in one backward"
+        param, view = self.params[slot], self.views[slot]
+        grad = param.grad
+        if grad is None or zeros:
+            view.zero_()
+        else:
+            if grad.data_ptr() != view.data_ptr():
+                if scale is None:
+                    view.copy_(grad)
+                else:
+                    torch.mul(grad, scale, out=view)
+                if as_view:
+                    param.grad = view
+            elif scale is not None:
+                view.mul_(scale)  # .grad already is the view (gradient_as_bucket_view)
+        self.ready[slot] = True
+        self.pending -= 1

@@ -8,21 +8,20 @@ raises :class:`CollectiveTimeoutError` naming the operation, the step and the us
 
 from __future__ import annotations
 
+import math
 from datetime import timedelta
 
 from gradsync.comm import Handle
-
-
-class CollectiveTimeoutError(RuntimeError):
-    """A gradsync collective did not complete within the deadline, or a peer dropped out."""
+from gradsync.errors import CollectiveTimeoutError, UsageError
 
 
 def as_timedelta(timeout: float | timedelta) -> timedelta:
-    if isinstance(timeout, timedelta):
-        return timeout
-    if timeout <= 0:
-        raise ValueError(f"timeout must be positive, got {timeout}")
-    return timedelta(seconds=timeout)
+    """``timeout`` (seconds or ``timedelta``) as a ``timedelta``; it must be positive and finite
+    in either form, since a zero or infinite deadline would wait forever."""
+    seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
+    if not (math.isfinite(seconds) and seconds > 0):
+        raise UsageError(f"timeout must be a positive, finite duration, got {timeout!r}")
+    return timedelta(seconds=seconds)
 
 
 def wait_or_raise(handle: Handle, timeout: timedelta | None, what: str, rank: int) -> None:
@@ -43,7 +42,7 @@ def wait_or_raise(handle: Handle, timeout: timedelta | None, what: str, rank: in
             f"at most {timeout.total_seconds():g} s" if timeout else "the process group's timeout"
         )
         raise CollectiveTimeoutError(
-            f"gradsync: rank {rank} gave up waiting for {what} after {limit} ({exc}). Some "
+            f"rank {rank} gave up waiting for {what} after {limit} ({exc}). Some "
             "rank did not get there: it may be busy with rank-specific work (saving, evaluating "
             "on rank 0 only), blocked in a collective the others do not issue (e.g. a logging "
             "all_reduce on some ranks only), out of data (wrap the loop in "

@@ -12,11 +12,7 @@ import torch
 import torch.distributed as dist
 
 from gradsync.ddp.deadline import wait_or_raise
-
-
-class ReplicaMismatchError(RuntimeError):
-    """Replicas that should be bit-identical are not."""
-
+from gradsync.errors import ReplicaMismatchError
 
 _INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -58,7 +54,7 @@ def check_replicas(
         differ = [r for r in range(1, world) if not torch.equal(gathered[r][i], gathered[0][i])]
         if differ:
             raise ReplicaMismatchError(
-                f"gradsync: replicas have diverged: '{name}' on rank(s) {differ} differs from "
+                f"replicas have diverged: '{name}' on rank(s) {differ} differs from "
                 f"rank 0 (seen from rank {rank}). Something changed parameters outside the "
                 "synchronised step: an optimizer step on one rank only, a rank-dependent update, "
                 "or a gradient modified after synchronisation."

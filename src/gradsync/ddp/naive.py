@@ -11,6 +11,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from gradsync.ddp.reduction import check_reduction
+
 
 def average_gradients(
     module: nn.Module, group: dist.ProcessGroup | None = None, reduction: str = "mean"
@@ -19,9 +21,10 @@ def average_gradients(
 
     Call after ``loss.backward()`` and before ``optimizer.step()`` on every rank. A parameter
     without a gradient contributes zeros (every rank must issue the same collectives).
+    ``reduction`` means what it means for the wrapper (``reduction.py``): ``"mean"`` divides
+    the sum by the number of ranks, ``"sum"`` does not.
     """
-    if reduction not in ("mean", "sum"):
-        raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
+    check_reduction(reduction, allowed=("mean", "sum"))
     world_size = dist.get_world_size(group)
     for param in module.parameters():
         if not param.requires_grad:

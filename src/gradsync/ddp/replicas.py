@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from gradsync.ddp.deadline import wait_or_raise
+from gradsync.errors import ModelMismatchError
 
 
 def describe(
@@ -29,7 +30,8 @@ def check_same_model(
     settings: dict[str, Any],
     group: dist.ProcessGroup | None,
 ) -> None:
-    """Raise ``ValueError`` on every rank unless all ranks hold the same model and settings.
+    """Raise :class:`ModelMismatchError` on every rank unless all ranks hold the same model and
+    settings.
 
     One ``all_gather_object`` of the description; every rank then runs the same comparison on
     the same data, so every rank raises the same error and none is left waiting.
@@ -42,21 +44,21 @@ def check_same_model(
         other_rows, other_settings = gathered[r]
         for key in ref_settings:
             if other_settings.get(key) != ref_settings[key]:
-                raise ValueError(
-                    f"gradsync: DistributedDataParallel setting {key!r} differs across ranks: "
+                raise ModelMismatchError(
+                    f"DistributedDataParallel setting {key!r} differs across ranks: "
                     f"rank 0 has {ref_settings[key]!r}, rank {r} has {other_settings.get(key)!r}"
                 )
         for a, b in zip(ref_rows, other_rows, strict=False):
             if a != b:
-                raise ValueError(
-                    f"gradsync: ranks hold different models; first difference at {a[0]} "
+                raise ModelMismatchError(
+                    f"ranks hold different models; first difference at {a[0]} "
                     f"'{a[1]}' (rank 0: {_fmt(a)}) vs {b[0]} '{b[1]}' (rank {r}: {_fmt(b)})"
                 )
         if len(ref_rows) != len(other_rows):
             longer, who = (ref_rows, 0) if len(ref_rows) > len(other_rows) else (other_rows, r)
             extra = longer[min(len(ref_rows), len(other_rows))]
-            raise ValueError(
-                f"gradsync: ranks hold different models; {extra[0]} '{extra[1]}' exists on rank "
+            raise ModelMismatchError(
+                f"ranks hold different models; {extra[0]} '{extra[1]}' exists on rank "
                 f"{who} only (rank 0 has {len(ref_rows)} tensors, rank {r} has {len(other_rows)})"
             )
 

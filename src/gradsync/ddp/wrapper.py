@@ -16,15 +16,16 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from gradsync.comm import AllReduceAlgorithm, get_algorithm
+from gradsync.comm import AllReduceAlgorithm, AllReduceHook, get_algorithm
 from gradsync.ddp.buckets import BucketSpec, cap_to_bytes, plan_buckets
 from gradsync.ddp.deadline import as_timedelta
 from gradsync.ddp.diagnostics import check_replicas, warn_if_same_batch
 from gradsync.ddp.join import JoinProtocol
 from gradsync.ddp.reducer import Reducer
+from gradsync.ddp.reduction import Reduction, check_reduction
 from gradsync.ddp.replicas import broadcast_from, check_same_model, describe
+from gradsync.errors import ProtocolError
 
-REDUCTIONS = ("mean", "sum", "item_mean")
 _PREFIXES = ("module.", "_orig_mod.")  # added by wrapping in DDP and by torch.compile
 
 
@@ -33,7 +34,8 @@ class DistributedDataParallel(nn.Module):
 
     Args:
         module: the model; every rank must hold the same parameter names, shapes, dtypes and
-            ``requires_grad`` flags (checked here; a mismatch raises ``ValueError`` on every rank).
+            ``requires_grad`` flags (checked here; a mismatch raises ``ModelMismatchError``, a
+            ``ValueError``, on every rank).
         process_group: the ranks that hold replicas (default: the world).
         bucket_cap_mb: bucket size in MiB. ``0``: one all-reduce per parameter; ``None``: one
             bucket (per dtype).
@@ -80,12 +82,11 @@ class DistributedDataParallel(nn.Module):
     ) -> None:
         super().__init__()
         if not dist.is_initialized():
-            raise RuntimeError(
-                "gradsync: torch.distributed is not initialised; call "
+            raise ProtocolError(
+                "torch.distributed is not initialised; call "
                 "dist.init_process_group(...) (torchrun sets up its environment) first"
             )
-        if reduction not in REDUCTIONS:
-            raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+        check_reduction(reduction)
         self.module = module
         self.process_group = process_group
         self.reduction = reduction
@@ -93,11 +94,7 @@ class DistributedDataParallel(nn.Module):
         self.algorithm = get_algorithm(algorithm)
         self.timeout = as_timedelta(timeout)
         self.check_replicas_every = check_replicas_every
-        cap_bytes = cap_to_bytes(bucket_cap_mb)
-        first_cap_bytes = cap_to_bytes(first_bucket_cap_mb)
-
-        named_params = list(module.named_parameters())
-        named_buffers = list(module.named_buffers())
+        # Every setting that changes which collectives run must agree across ranks.
         settings = {
             "bucket_cap_mb": bucket_cap_mb,
             "first_bucket_cap_mb": first_bucket_cap_mb,
@@ -109,29 +106,12 @@ class DistributedDataParallel(nn.Module):
             "check_replicas_every": check_replicas_every,
             "check_finite": check_finite,
         }
-        check_same_model(describe(named_params, named_buffers), settings, process_group)
-        broadcast_from(
-            [p.data for _, p in named_params] + [b for _, b in named_buffers],
-            process_group,
-            timeout=self.timeout,
-            what="the initial broadcast of rank 0's parameters and buffers",
-        )
-        self._buffers_to_sync = [b for _, b in named_buffers]
-
-        # named_parameters() already yields a tied parameter once, so it is reduced once.
-        trainable = [(n, p) for n, p in named_params if p.requires_grad]
-        self.bucket_specs: list[BucketSpec] = plan_buckets(
-            [(p.numel(), p.dtype) for _, p in trainable], cap_bytes, first_cap_bytes
-        )
-        self.reducer = Reducer(
-            trainable,
-            self.bucket_specs,
-            process_group=process_group,
-            algorithm=self.algorithm,
-            reduction=reduction,
+        self._make_replicas_equal(settings)
+        self.reducer = self._build_reducer(
+            bucket_cap_mb,
+            first_bucket_cap_mb,
             find_unused_parameters=find_unused_parameters,
             gradient_as_bucket_view=gradient_as_bucket_view,
-            timeout=self.timeout,
             check_finite=check_finite,
         )
         self._require_sync = True
@@ -140,11 +120,50 @@ class DistributedDataParallel(nn.Module):
         self._join_protocol: JoinProtocol | None = None  # created by the first join()
         self._joining = False
 
+    def _make_replicas_equal(self, settings: dict[str, Any]) -> None:
+        """Check that every rank holds the same model and settings, then copy rank 0's state."""
+        named_params = list(self.module.named_parameters())
+        named_buffers = list(self.module.named_buffers())
+        check_same_model(describe(named_params, named_buffers), settings, self.process_group)
+        broadcast_from(
+            [p.data for _, p in named_params] + [b for _, b in named_buffers],
+            self.process_group,
+            timeout=self.timeout,
+            what="the initial broadcast of rank 0's parameters and buffers",
+        )
+        self._buffers_to_sync = [b for _, b in named_buffers]
+
+    def _build_reducer(
+        self,
+        bucket_cap_mb: float | None,
+        first_bucket_cap_mb: float | None,
+        **options: bool,
+    ) -> Reducer:
+        """Plan the buckets of the trainable parameters and hook them up."""
+        # named_parameters() already yields a tied parameter once, so it is reduced once.
+        trainable = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
+        self.bucket_specs: list[BucketSpec] = plan_buckets(
+            [(p.numel(), p.dtype) for _, p in trainable],
+            cap_to_bytes(bucket_cap_mb),
+            cap_to_bytes(first_bucket_cap_mb),
+        )
+        device = trainable[0][1].device if trainable else torch.device("cpu")
+        return Reducer(
+            trainable,
+            self.bucket_specs,
+            process_group=self.process_group,
+            comm_hook=AllReduceHook(self.algorithm, self.process_group),
+            reduction=Reduction(self.reduction, self.process_group, device),
+            timeout=self.timeout,
+            **options,
+        )
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():
             return self.module(*args, **kwargs)  # no_grad: nothing to synchronise
         # Collectives only in training mode: an eval-mode forward, even with grad enabled, may
         # run on rank 0 alone and must not wait for the others.
+        num_active = None  # every rank, unless some have joined
         if self.module.training:
             broadcast = self.broadcast_buffers and bool(self._buffers_to_sync)
             if self._joining:
@@ -152,7 +171,6 @@ class DistributedDataParallel(nn.Module):
                 num_active, _, _ = self._join_protocol.handshake(
                     True, self._require_sync, broadcast
                 )
-                self.reducer.num_active = num_active
             if not self._first_batch_checked:
                 self._first_batch_checked = True
                 warn_if_same_batch((args, kwargs), self.process_group)
@@ -163,7 +181,7 @@ class DistributedDataParallel(nn.Module):
                 self.check_replicas()
             if broadcast:
                 self._broadcast_buffers()
-        self.reducer.prepare_for_backward(sync=self._require_sync)
+        self.reducer.prepare_for_backward(sync=self._require_sync, num_active=num_active)
         return self.module(*args, **kwargs)
 
     def _broadcast_buffers(self, src: int = 0) -> None:
@@ -234,7 +252,6 @@ class DistributedDataParallel(nn.Module):
                 f"the final broadcast of rank {src}'s state at the end of join()",
             )
         finally:
-            self.reducer.num_active = self.reducer.world_size
             self._joining = False
 
     @contextmanager

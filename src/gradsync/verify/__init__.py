@@ -15,9 +15,9 @@ The factory contracts are documented on :class:`VerifyConfig`; ``gradsync.verify
 worked example (a tiny GPT on a generated corpus, sharded by a ``DistributedSampler``).
 """
 
-from gradsync.verify.cli import format_report
 from gradsync.verify.diagnose import Diagnosis, Evidence, StepRecord, diagnose
 from gradsync.verify.inject import INJECTIONS
+from gradsync.verify.report import format_report
 from gradsync.verify.runner import VerifyConfig, VerifyReport, verify
 
 __all__ = [

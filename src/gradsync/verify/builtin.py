@@ -15,8 +15,8 @@ import functools
 import torch
 from torch.utils.data import DistributedSampler, Subset
 
-from gradsync.examples.corpus import CharDataset, generate_corpus
-from gradsync.examples.gpt import GPT, GPTConfig
+from gradsync.testing.corpus import CharDataset, generate_corpus
+from gradsync.testing.gpt import GPT, GPTConfig
 
 BLOCK_SIZE = 16
 GLOBAL_BATCH = 12

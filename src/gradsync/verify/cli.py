@@ -1,5 +1,8 @@
 """``gradsync verify``: the command line. ``add_arguments`` and ``run`` plug into any parser.
 
+It only parses arguments, runs :func:`~gradsync.verify.runner.verify` and prints
+:func:`~gradsync.verify.report.format_report`.
+
 Exit codes: 0 when N-rank training matches 1-process training, 1 when it does not (or a known
 bug shows in the evidence), 2 when the check could not run (bad arguments, a rank failed).
 """
@@ -10,9 +13,10 @@ import argparse
 import os
 import sys
 
-from gradsync.spawn import SpawnError
+from gradsync.errors import SpawnError
 from gradsync.verify.inject import INJECTIONS
-from gradsync.verify.runner import DEFAULT_LR, OPTIMIZERS, VerifyConfig, VerifyReport, verify
+from gradsync.verify.report import format_report
+from gradsync.verify.runner import DEFAULT_LR, OPTIMIZERS, VerifyConfig, verify
 
 DESCRIPTION = """\
 Is my N-process training the same as 1-process training? Trains the model in one process on
@@ -54,6 +58,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="steps in one epoch of the batch factory (for the epoch-order check and "
         "--inject no-set-epoch; the built-in has 3)",
     )
+    _add_training_arguments(parser, d)
+    parser.add_argument(
+        "--tolerance",
+        type=float,
+        default=d.tolerance,
+        help="largest difference allowed in loss, gradients and parameters at any step "
+        "(absolute below 1, relative above). fp32 rounding across ranks gives ~1e-7 per step "
+        "on the built-in model; every injected bug moves gradients by over 1e-2 "
+        "(default: %(default)g)",
+    )
+    parser.add_argument("--seed", type=int, default=d.seed, help="default: %(default)s")
+    parser.add_argument(
+        "--inject",
+        choices=sorted(INJECTIONS),
+        default=None,
+        help="reproduce a classic bug in the N-rank run only, to see its diagnosis: "
+        + "; ".join(f"{k}: {v}" for k, v in INJECTIONS.items()),
+    )
+    parser.add_argument(
+        "--timeout-s", type=float, default=d.timeout_s, help="limit for the N-rank run"
+    )
+
+
+def _add_training_arguments(parser: argparse.ArgumentParser, d: VerifyConfig) -> None:
+    """The optimizer, learning rate, loss reduction and bucket cap of both runs."""
     parser.add_argument(
         "--optimizer",
         choices=OPTIMIZERS,
@@ -82,26 +111,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=d.bucket_cap_mb,
         help="gradsync bucket cap in MiB; 'none': one bucket (default: %(default)s)",
     )
-    parser.add_argument(
-        "--tolerance",
-        type=float,
-        default=d.tolerance,
-        help="largest difference allowed in loss, gradients and parameters at any step "
-        "(absolute below 1, relative above). fp32 rounding across ranks gives ~1e-7 per step "
-        "on the built-in model; every injected bug moves gradients by over 1e-2 "
-        "(default: %(default)g)",
-    )
-    parser.add_argument("--seed", type=int, default=d.seed, help="default: %(default)s")
-    parser.add_argument(
-        "--inject",
-        choices=sorted(INJECTIONS),
-        default=None,
-        help="reproduce a classic bug in the N-rank run only, to see its diagnosis: "
-        + "; ".join(f"{k}: {v}" for k, v in INJECTIONS.items()),
-    )
-    parser.add_argument(
-        "--timeout-s", type=float, default=d.timeout_s, help="limit for the N-rank run"
-    )
 
 
 def config_from_args(args: argparse.Namespace) -> VerifyConfig:
@@ -121,52 +130,6 @@ def config_from_args(args: argparse.Namespace) -> VerifyConfig:
         inject=args.inject,
         timeout_s=args.timeout_s,
     )
-
-
-def _name(spec: object) -> str:
-    return spec if isinstance(spec, str) else getattr(spec, "__qualname__", repr(spec))
-
-
-def format_report(report: VerifyReport) -> str:
-    """The per-step table, the verdict and the likely causes, as printed by the CLI."""
-    cfg, ev = report.config, report.evidence
-    n = cfg.world_size
-    lr = DEFAULT_LR[cfg.optimizer] if cfg.lr is None else cfg.lr
-    lines = [
-        f"gradsync verify: {n} ranks vs 1 process, {cfg.steps} steps, {cfg.optimizer} lr {lr:g}, "
-        f"reduction {cfg.reduction}, bucket_cap_mb {cfg.bucket_cap_mb}, "
-        f"inject {cfg.inject or 'none'}",
-        f"model {_name(cfg.model)}: {report.model_description}; batches {_name(cfg.batches)}",
-        f"parameter checksums before step 0: reference {ev.ref_init_checksum}, ranks "
-        + " ".join(ev.rank_init_checksums),
-        "",
-        f"{'step':>4}  {'ref loss':>10}  {f'{n}-rank loss':>11}  {'max|dparam|':>11}  "
-        f"{'max|dgrad|':>10}  {'|g|/|g_ref|':>11}",
-    ]
-    for r in ev.records:
-        mark = "  <- past tolerance" if r.step == report.divergence_step else ""
-        lines.append(
-            f"{r.step:>4}  {r.ref_loss:>10.6f}  {r.loss:>11.6f}  {r.max_param_diff:>11.2e}  "
-            f"{r.max_grad_diff:>10.2e}  {r.grad_ratio:>11.4f}{mark}"
-        )
-    lines.append("")
-    if report.passed:
-        lines.append(
-            f"PASS: {n}-rank training equals 1-process training within {cfg.tolerance:g} at "
-            f"every step ({report.elapsed_s:.1f} s)"
-        )
-    else:
-        if report.divergence_step is None:
-            verdict = f"within tolerance {cfg.tolerance:g}, but the evidence shows a bug"
-        else:
-            verdict = f"diverged at step {report.divergence_step} (tolerance {cfg.tolerance:g})"
-        lines.append(f"FAIL: {verdict} ({report.elapsed_s:.1f} s)")
-        for i, d in enumerate(report.diagnoses):
-            lines.append(f"{'likely cause' if i == 0 else 'also'} [{d.cause}]: {d.summary}")
-            lines.extend(f"  evidence: {e}" for e in d.evidence)
-            if d.fix:
-                lines.append(f"  fix: {d.fix}")
-    return "\n".join(lines)
 
 
 def run(args: argparse.Namespace) -> int:

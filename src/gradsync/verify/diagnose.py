@@ -90,7 +90,7 @@ def fingerprint(items: Sequence[str]) -> str:
     return h.hexdigest()
 
 
-def batch_fingerprint(samples: Sequence[str]) -> str:
+def samples_fingerprint(samples: Sequence[str]) -> str:
     """The digest of a batch as a multiset: the order of samples inside a batch does not matter
     (the ranks' shards interleave the reference's batch)."""
     return fingerprint(sorted(samples))
@@ -98,11 +98,11 @@ def batch_fingerprint(samples: Sequence[str]) -> str:
 
 def union_fingerprints(ev: Evidence) -> list[str]:
     """Per step: the digest of all ranks' samples taken together."""
-    return [batch_fingerprint([s for shard in ranks for s in shard]) for ranks in ev.rank_samples]
+    return [samples_fingerprint([s for shard in ranks for s in shard]) for ranks in ev.rank_samples]
 
 
 def reference_fingerprints(ev: Evidence) -> list[str]:
-    return [batch_fingerprint(samples) for samples in ev.ref_samples]
+    return [samples_fingerprint(samples) for samples in ev.ref_samples]
 
 
 def epoch_order_fingerprints(step_fps: Sequence[str], steps_per_epoch: int) -> list[str]:
@@ -170,7 +170,7 @@ def _check_same_data(ev: Evidence) -> Diagnosis | None:
     same = [
         step
         for step, ranks in enumerate(ev.rank_samples)
-        if len({batch_fingerprint(shard) for shard in ranks}) == 1
+        if len({samples_fingerprint(shard) for shard in ranks}) == 1
     ]
     # Two disjoint shards of a shuffled dataset are identical only by accident: half the steps
     # is no accident.
@@ -181,7 +181,7 @@ def _check_same_data(ev: Evidence) -> Diagnosis | None:
         "every rank given the same data: the global batch is one shard repeated",
         [
             f"at {len(same)} of {len(ev.rank_samples)} steps every rank's batch had the same "
-            f"fingerprint (step {same[0]}: {batch_fingerprint(ev.rank_samples[same[0]][0])} on "
+            f"fingerprint (step {same[0]}: {samples_fingerprint(ev.rank_samples[same[0]][0])} on "
             f"all {ev.world_size} ranks)"
         ],
         "give each rank its own shard: DistributedSampler(dataset, num_replicas=world_size, "

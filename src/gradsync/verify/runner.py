@@ -21,9 +21,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from gradsync.ddp import DistributedDataParallel, average_gradients
-from gradsync.examples.gpt import lm_loss
-from gradsync.spawn import spawn
+from gradsync.ddp.naive import average_gradients
+from gradsync.ddp.wrapper import DistributedDataParallel
+from gradsync.testing.gpt import lm_loss
+from gradsync.testing.spawn import spawn
 from gradsync.verify import inject as inj
 from gradsync.verify.diagnose import (
     Diagnosis,
@@ -307,7 +308,7 @@ def _rank_main(rank: int, world_size: int, cfg: VerifyConfig, ref: _Reference) -
 def verify(cfg: VerifyConfig) -> VerifyReport:
     """Is N-rank training with gradsync the same as 1-process training? Run both and compare.
 
-    Raises ``ValueError`` for a bad configuration and :class:`gradsync.spawn.SpawnError` when a
+    Raises ``ValueError`` for a bad configuration and :class:`gradsync.errors.SpawnError` when a
     rank fails (the message names the rank).
     """
     check_config(cfg)

@@ -33,11 +33,13 @@ def main() -> None:
     addr = source_address(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
     gathered: list[str | None] = [None] * world
     dist.all_gather_object(gathered, addr)
-    print(
+    line = (
         f"ALLREDUCE_OK rank={rank} world={world} node={os.environ['GROUP_RANK']} addr={addr} "
-        f"host={socket.gethostname()} sum={t.item():g} addrs={','.join(map(str, gathered))}",
-        flush=True,
+        f"host={socket.gethostname()} sum={t.item():g} addrs={','.join(map(str, gathered))}\n"
     )
+    # One write call: the ranks of a node share stdout, and print() may write the text and the
+    # newline separately, so two ranks' lines could interleave.
+    os.write(1, line.encode())
     dist.destroy_process_group()
 
 

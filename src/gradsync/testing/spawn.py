@@ -23,6 +23,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from gradsync.errors import SpawnError
+
 
 @dataclass
 class RankFailure:
@@ -34,16 +36,16 @@ class RankFailure:
     traceback: str
 
 
-class SpawnError(RuntimeError):
-    """One or more ranks failed; ``failures`` holds each rank's error."""
-
-    def __init__(self, failures: list[RankFailure]) -> None:
-        self.failures = failures
-        first = failures[0]
-        super().__init__(
-            f"rank {first.rank} raised {first.exc_type}: {first.message}\n"
-            f"(ranks that failed: {[f.rank for f in failures]})\n{first.traceback}"
-        )
+def _spawn_error(failures: list[RankFailure]) -> SpawnError:
+    """The :class:`~gradsync.errors.SpawnError` for ``failures`` (sorted by rank), which it
+    keeps as ``failures``: the message names the first failed rank and carries its traceback."""
+    first = failures[0]
+    err = SpawnError(
+        f"rank {first.rank} raised {first.exc_type}: {first.message}\n"
+        f"(ranks that failed: {[f.rank for f in failures]})\n{first.traceback}"
+    )
+    err.failures = failures
+    return err
 
 
 def _rank_entry(
@@ -81,6 +83,29 @@ def _rank_entry(
             dist.destroy_process_group()
 
 
+def _collect(procs: list[Any], results: Any, deadline: float) -> dict[int, tuple[bool, Any]]:
+    """``rank -> (ok, result or RankFailure)`` for the ranks that reported (or died without
+    reporting) before ``deadline``."""
+    outcomes: dict[int, tuple[bool, Any]] = {}
+    while len(outcomes) < len(procs) and time.monotonic() < deadline:
+        try:
+            rank, ok, value = results.get(timeout=0.2)
+            if ok:
+                value = torch.load(io.BytesIO(value), weights_only=False)
+            outcomes[rank] = (ok, value)
+            continue
+        except queue_mod.Empty:
+            pass
+        for rank, p in enumerate(procs):
+            # A process that died without reporting (segfault, os._exit, kill -9).
+            if rank not in outcomes and not p.is_alive() and p.exitcode not in (None, 0):
+                outcomes[rank] = (
+                    False,
+                    RankFailure(rank, "ProcessDied", f"exit code {p.exitcode}", ""),
+                )
+    return outcomes
+
+
 def spawn(
     fn: Callable[..., Any],
     world_size: int,
@@ -94,10 +119,11 @@ def spawn(
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return each result.
 
     ``fn`` must be importable by name (a module-level function). ``backend="nccl"`` puts rank
-    ``r`` on GPU ``r % device_count``. On failure raises
-    :class:`SpawnError` naming the rank, unless ``return_failures`` is set, in which case a failed
-    rank's entry in the returned list is its :class:`RankFailure`. A rank that neither returns nor
-    raises within ``timeout_s`` is killed and reported as a failure.
+    ``r`` on GPU ``r % device_count``. On failure raises :class:`~gradsync.errors.SpawnError`
+    naming the rank (its ``failures`` holds every failed rank's :class:`RankFailure`), unless
+    ``return_failures`` is set, in which case a failed rank's entry in the returned list is its
+    :class:`RankFailure`. A rank that neither returns nor raises within ``timeout_s`` is killed
+    and reported as a failure.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
@@ -117,25 +143,8 @@ def spawn(
         ]
         for p in procs:
             p.start()
-        outcomes: dict[int, tuple[bool, Any]] = {}
-        deadline = time.monotonic() + timeout_s
         try:
-            while len(outcomes) < world_size and time.monotonic() < deadline:
-                try:
-                    rank, ok, value = results.get(timeout=0.2)
-                    if ok:
-                        value = torch.load(io.BytesIO(value), weights_only=False)
-                    outcomes[rank] = (ok, value)
-                    continue
-                except queue_mod.Empty:
-                    pass
-                for rank, p in enumerate(procs):
-                    # A process that died without reporting (segfault, os._exit, kill -9).
-                    if rank not in outcomes and not p.is_alive() and p.exitcode not in (None, 0):
-                        outcomes[rank] = (
-                            False,
-                            RankFailure(rank, "ProcessDied", f"exit code {p.exitcode}", ""),
-                        )
+            outcomes = _collect(procs, results, time.monotonic() + timeout_s)
         finally:
             for p in procs:
                 p.join(timeout=5.0)
@@ -150,5 +159,5 @@ def spawn(
             )
     failures = [v for ok, v in outcomes.values() if not ok]
     if failures and not return_failures:
-        raise SpawnError(sorted(failures, key=lambda f: f.rank))
+        raise _spawn_error(sorted(failures, key=lambda f: f.rank))
     return [outcomes[r][1] for r in range(world_size)]

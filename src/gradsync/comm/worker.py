@@ -1,0 +1,94 @@
+"""A single background thread that runs collective jobs one at a time, in submission order.
+
+The ring and hierarchical algorithms are built from point-to-point sends; running them on one
+worker thread per algorithm instance is what makes them asynchronous (``all_reduce`` returns a
+handle at once, as ``dist.all_reduce(async_op=True)`` does) while keeping the messages of
+successive all-reduces from interleaving.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable
+from datetime import timedelta
+
+
+class AsyncHandle:
+    """Completion of one job on a :class:`SerialWorker`; ``wait()`` re-raises the job's error."""
+
+    def __init__(self) -> None:
+        self._done = threading.Event()
+        self._error: BaseException | None = None
+
+    def _finish(self, error: BaseException | None) -> None:
+        self._error = error
+        self._done.set()
+
+    def is_completed(self) -> bool:
+        return self._done.is_set()
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        """Block until done; ``RuntimeError`` if that takes longer than ``timeout``, like
+        ``dist.Work.wait``. A timed-out job keeps running, so a later ``wait`` may succeed."""
+        seconds = None if timeout is None else max(timeout.total_seconds(), 0.0)
+        if not self._done.wait(seconds):
+            raise RuntimeError(f"all-reduce did not complete within {timeout}")
+        if self._error is not None:
+            raise self._error
+        return True
+
+
+class SerialWorker:
+    """One daemon thread running submitted jobs one at a time, in submission order.
+
+    A single thread per algorithm instance is what keeps messages of successive all-reduces from
+    interleaving: every rank runs the same sequence of jobs, each to completion. After a job fails
+    its peers may be left mid-ring, so later jobs fail at once instead of talking to them.
+    """
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+        self._queue: queue.SimpleQueue[tuple[Callable[[], None], AsyncHandle] | None] = (
+            queue.SimpleQueue()
+        )
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+        self._failure: BaseException | None = None
+
+    def submit(self, job: Callable[[], None]) -> AsyncHandle:
+        handle = AsyncHandle()
+        with self._lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
+                self._thread.start()
+            self._queue.put((job, handle))
+        return handle
+
+    def close(self) -> None:
+        """Finish the queued jobs, then stop the thread (a later ``submit`` starts a new one)."""
+        with self._lock:
+            thread, self._thread = self._thread, None
+            if thread is not None:
+                self._queue.put(None)
+        if thread is not None:
+            thread.join()
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            job, handle = item
+            if self._failure is not None:
+                err = RuntimeError(f"{self._name}: an earlier all-reduce failed")
+                err.__cause__ = self._failure
+                handle._finish(err)
+                continue
+            try:
+                job()
+            except BaseException as exc:  # handed to wait(), which re-raises it in the caller
+                self._failure = exc
+                handle._finish(exc)
+            else:
+                handle._finish(None)
