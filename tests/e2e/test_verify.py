@@ -19,6 +19,7 @@ from torch.utils.data import DistributedSampler, TensorDataset
 
 from gradsync.cli import main as gradsync_main
 from gradsync.verify import VerifyConfig, format_report, verify
+from gradsync.verify import runner as verify_runner
 from gradsync.verify.builtin import GLOBAL_BATCH, STEPS_PER_EPOCH, make_batch
 from gradsync.verify.diagnose import NO_SET_EPOCH, REPLICAS_DIFFER, SAME_DATA, SUM_NOT_MEAN
 
@@ -91,6 +92,66 @@ def test_bad_arguments_exit_2_before_spawning(capsys: pytest.CaptureFixture[str]
     assert "cross an epoch boundary" in capsys.readouterr().err
     assert main(["--world-size", "5"]) == 2  # the built-in batch of 12 does not split 5 ways
     assert "world size 5" in capsys.readouterr().err
+
+
+@pytest.fixture
+def no_spawn(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Bad arguments must be rejected before any rank starts (and fast)."""
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise AssertionError("ranks were spawned: the arguments should have been rejected first")
+
+    monkeypatch.setattr(verify_runner, "spawn", refuse)
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (["--lr", "nan"], "argument --lr: must be a finite number > 0, got 'nan'"),
+        (["--lr", "0"], "argument --lr: must be a finite number > 0, got '0'"),
+        (["--tolerance", "-1"], "argument --tolerance: must be a finite number >= 0, got '-1'"),
+        (["--tolerance", "nan"], "argument --tolerance: must be a finite number >= 0, got 'nan'"),
+        (["--steps", "0"], "argument --steps: must be a whole number >= 1, got '0'"),
+        (["-n", "two"], "argument -n/--world-size: must be a whole number >= 1, got 'two'"),
+    ],
+)
+@pytest.mark.usefixtures("no_spawn")
+def test_bad_numbers_are_usage_errors(
+    argv: list[str], expected: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Exit 1 means "diverged": a NaN learning rate or tolerance must not get that far.
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert f"gradsync verify: error: {expected}" in err, err
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (["--model", "os:getcwd"], "--model os:getcwd: did not return a torch.nn.Module"),
+        (["--model", "torch.nn:Identity"], "(got Identity without parameters)"),
+        (
+            ["--batches", "os:getcwd"],
+            "--batches os:getcwd: failed in batch_fn(0, 2, 0): TypeError: ",
+        ),
+        (
+            ["--loss", "os:getcwd"],
+            "--loss os:getcwd: failed in loss_fn(model, batch_fn(0, 1, 0)): TypeError: ",
+        ),
+        # The default loss on a model that does not take the built-in token batches.
+        (["--model", "test_verify:make_mlp"], "--loss not given: the default (cross-entropy"),
+    ],
+)
+@pytest.mark.usefixtures("no_spawn")
+def test_factories_that_fail_or_return_the_wrong_kind_exit_2_naming_the_option(
+    argv: list[str], expected: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("gradsync verify: error: ") and expected in err, err
+    assert "Traceback" not in err and len(err.splitlines()) == 1, err
 
 
 # -- a user's own setup: an MLP classifier on a fixed dataset -----------------------------------

@@ -10,13 +10,14 @@ bug shows in the evidence), 2 when the check could not run (bad arguments, a ran
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 
 from gradsync.errors import SpawnError
 from gradsync.verify.inject import INJECTIONS
 from gradsync.verify.report import format_report
-from gradsync.verify.runner import DEFAULT_LR, OPTIMIZERS, VerifyConfig, verify
+from gradsync.verify.runner import DEFAULT_LR, OPTIMIZERS, FactoryError, VerifyConfig, verify
 
 DESCRIPTION = """\
 Is my N-process training the same as 1-process training? Trains the model in one process on
@@ -35,8 +36,42 @@ Factory contracts ("module:function", imported with the current directory on sys
 """
 
 
-def _cap(value: str) -> float | None:
-    return None if value.lower() == "none" else float(value)
+# Checked at parse time, so a bad value is an argparse error naming the option (exit 2): a NaN
+# learning rate or tolerance would otherwise run and be misdiagnosed as a divergence (exit 1).
+def _count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 1, got {text!r}")
+    return value
+
+
+def _number(text: str, *, zero_ok: bool, what: str = "a finite number") -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value < 0 or (value == 0 and not zero_ok):
+        raise argparse.ArgumentTypeError(
+            f"must be {what} {'>=' if zero_ok else '>'} 0, got {text!r}"
+        )
+    return value
+
+
+def _positive(text: str) -> float:
+    return _number(text, zero_ok=False)
+
+
+def _non_negative(text: str) -> float:
+    return _number(text, zero_ok=True)
+
+
+def _cap(text: str) -> float | None:
+    if text.lower() == "none":
+        return None
+    return _number(text, zero_ok=True, what="'none' or a finite number")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -48,12 +83,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--loss", default=None, metavar="MODULE:FN", help="loss (default: cross-entropy)"
     )
     parser.add_argument(
-        "-n", "--world-size", type=int, default=d.world_size, help="ranks (default: %(default)s)"
+        "-n", "--world-size", type=_count, default=d.world_size, help="ranks (default: %(default)s)"
     )
-    parser.add_argument("--steps", type=int, default=d.steps, help="default: %(default)s")
+    parser.add_argument("--steps", type=_count, default=d.steps, help="default: %(default)s")
     parser.add_argument(
         "--steps-per-epoch",
-        type=int,
+        type=_count,
         default=None,
         help="steps in one epoch of the batch factory (for the epoch-order check and "
         "--inject no-set-epoch; the built-in has 3)",
@@ -61,7 +96,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     _add_training_arguments(parser, d)
     parser.add_argument(
         "--tolerance",
-        type=float,
+        type=_non_negative,
         default=d.tolerance,
         help="largest difference allowed in loss, gradients and parameters at any step "
         "(absolute below 1, relative above). fp32 rounding across ranks gives ~1e-7 per step "
@@ -77,7 +112,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         + "; ".join(f"{k}: {v}" for k, v in INJECTIONS.items()),
     )
     parser.add_argument(
-        "--timeout-s", type=float, default=d.timeout_s, help="limit for the N-rank run"
+        "--timeout-s", type=_positive, default=d.timeout_s, help="limit for the N-rank run"
     )
 
 
@@ -94,7 +129,7 @@ def _add_training_arguments(parser: argparse.ArgumentParser, d: VerifyConfig) ->
     )
     parser.add_argument(
         "--lr",
-        type=float,
+        type=_positive,
         default=None,
         help=f"learning rate (default: {DEFAULT_LR['sgd']} for sgd, "
         f"{DEFAULT_LR['adamw']} for adamw)",
@@ -132,6 +167,16 @@ def config_from_args(args: argparse.Namespace) -> VerifyConfig:
     )
 
 
+def _factory_fault(exc: FactoryError) -> str:
+    """``exc`` in terms of the command line: the option and the value it was given."""
+    if exc.spec is None:  # no --loss: the default loss does not fit the model or the batches
+        return (
+            f"--loss not given: the default (cross-entropy of model(*batch[:-1]) against "
+            f"batch[-1]): {exc.problem}"
+        )
+    return f"--{exc.field} {exc.spec}: {exc.problem}"
+
+
 def run(args: argparse.Namespace) -> int:
     """Run ``gradsync verify`` from parsed arguments; return the exit code."""
     # Like `python -m`: factories in the user's project import without installing it. Spawned
@@ -140,6 +185,9 @@ def run(args: argparse.Namespace) -> int:
         sys.path.insert(0, os.getcwd())
     try:
         report = verify(config_from_args(args))
+    except FactoryError as exc:
+        print(f"gradsync verify: error: {_factory_fault(exc)}", file=sys.stderr)
+        return 2
     except ValueError as exc:
         print(f"gradsync verify: error: {exc}", file=sys.stderr)
         return 2

@@ -14,6 +14,7 @@ import functools
 import hashlib
 import importlib
 import time
+import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -122,24 +123,45 @@ class _RankResult:
     samples: list[list[str]] = field(default_factory=list)
 
 
-def resolve(spec: str | Callable[..., Any], what: str) -> Callable[..., Any]:
+class FactoryError(ValueError):
+    """A factory that cannot be loaded, fails, or returns the wrong kind of thing. ``field`` is
+    the :class:`VerifyConfig` field that holds it, for a front end to name (``--model``)."""
+
+    def __init__(self, field: str, spec: object, problem: str) -> None:
+        self.field, self.spec, self.problem = field, spec, problem
+        super().__init__(f"{field}={spec!r}: {problem}")
+
+
+def resolve(spec: str | Callable[..., Any], field: str) -> Callable[..., Any]:
     """``"package.module:function"`` (or ``module:obj.attr``) to the callable it names."""
     if callable(spec):
         return spec
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
-        raise ValueError(f"{what} must look like 'module:function', got {spec!r}")
+        raise FactoryError(field, spec, "must look like 'module:function'")
     try:
         obj: Any = importlib.import_module(module_name)
     except ImportError as exc:
-        raise ValueError(f"{what} {spec!r}: cannot import {module_name!r}: {exc}") from exc
+        raise FactoryError(field, spec, f"cannot import {module_name!r}: {exc}") from exc
     for part in attr.split("."):
         if not hasattr(obj, part):
-            raise ValueError(f"{what} {spec!r}: {module_name!r} has no attribute {attr!r}")
+            raise FactoryError(field, spec, f"{module_name!r} has no attribute {attr!r}")
         obj = getattr(obj, part)
     if not callable(obj):
-        raise ValueError(f"{what} {spec!r} is not callable")
+        raise FactoryError(field, spec, "is not callable")
     return obj
+
+
+def _call(field: str, spec: object, fn: Callable[..., Any], *args: Any, shown: str) -> Any:
+    """``fn(*args)``, shown as ``shown``: what it raises is the fault of the factory in ``field``,
+    reported in one line with where it was raised (a traceback is for bugs of gradsync)."""
+    try:
+        return fn(*args)
+    except Exception as exc:
+        tb = traceback.extract_tb(exc.__traceback__)[-1]
+        at = "" if tb.filename == __file__ else f" (at {tb.filename}:{tb.lineno})"
+        problem = f"failed in {shown}: {type(exc).__name__}: {exc}{at}"
+        raise FactoryError(field, spec, problem) from exc
 
 
 def default_loss(model: nn.Module, batch: Sequence[torch.Tensor], reduction: str) -> torch.Tensor:
@@ -148,12 +170,12 @@ def default_loss(model: nn.Module, batch: Sequence[torch.Tensor], reduction: str
 
 
 def _factories(cfg: VerifyConfig) -> tuple[ModelFn, BatchFn, LossFn]:
-    model_fn = resolve(cfg.model, "model factory")
-    batch_fn = resolve(cfg.batches, "batch factory")
+    model_fn = resolve(cfg.model, "model")
+    batch_fn = resolve(cfg.batches, "batches")
     if cfg.loss is None:
         loss_fn: LossFn = functools.partial(default_loss, reduction=cfg.reduction)
     else:
-        loss_fn = resolve(cfg.loss, "loss function")
+        loss_fn = resolve(cfg.loss, "loss")
     return model_fn, batch_fn, loss_fn
 
 
@@ -161,7 +183,7 @@ def epoch_length(cfg: VerifyConfig) -> int | None:
     """The configured steps per epoch, else the batch factory's ``steps_per_epoch`` attribute."""
     if cfg.steps_per_epoch is not None:
         return cfg.steps_per_epoch
-    value = getattr(resolve(cfg.batches, "batch factory"), "steps_per_epoch", None)
+    value = getattr(resolve(cfg.batches, "batches"), "steps_per_epoch", None)
     return value if isinstance(value, int) else None
 
 
@@ -179,7 +201,9 @@ def check_config(cfg: VerifyConfig) -> None:
         raise ValueError(f"reduction must be 'mean' or 'sum', got {cfg.reduction!r}")
     _, batch_fn, _ = _factories(cfg)  # fails here, not in every rank, on a bad "module:function"
     # One shard up front: a factory that rejects this world size says so before any spawn.
-    _as_batch(batch_fn(0, cfg.world_size, 0), f"batch_fn(0, {cfg.world_size}, 0)")
+    where = f"batch_fn(0, {cfg.world_size}, 0)"
+    batch = _call("batches", cfg.batches, batch_fn, 0, cfg.world_size, 0, shown=where)
+    _as_batch(cfg, batch, where)
     inj.check_injection(cfg.inject, cfg.world_size, cfg.reduction, cfg.steps, epoch_length(cfg))
 
 
@@ -190,15 +214,23 @@ def _optimizer(cfg: VerifyConfig, params: list[nn.Parameter]) -> torch.optim.Opt
     return torch.optim.SGD(params, lr=lr)
 
 
-def _as_batch(batch: Any, where: str) -> tuple[torch.Tensor, ...]:
+def _as_batch(cfg: VerifyConfig, batch: Any, where: str) -> tuple[torch.Tensor, ...]:
+    fault = ""
     if not isinstance(batch, (tuple, list)) or not batch:
-        raise ValueError(f"{where}: the batch factory must return a non-empty tuple of tensors")
-    if not all(isinstance(t, torch.Tensor) and t.dim() >= 1 for t in batch):
-        raise ValueError(f"{where}: every batch element must be a tensor with a sample dimension")
-    sizes = {t.shape[0] for t in batch}
-    if len(sizes) != 1 or 0 in sizes:
-        raise ValueError(f"{where}: batch tensors must share a non-zero first (sample) dimension")
+        fault = f"{type(batch).__name__}, not a non-empty tuple of tensors,"
+    elif not all(isinstance(t, torch.Tensor) and t.dim() >= 1 for t in batch):
+        fault = "an element that is not a tensor with a sample dimension"
+    elif len({t.shape[0] for t in batch}) != 1 or batch[0].shape[0] == 0:
+        fault = "tensors without a common non-zero first (sample) dimension"
+    if fault:
+        raise FactoryError("batches", cfg.batches, f"returned {fault} in {where}")
     return tuple(batch)
+
+
+def _backward(loss_fn: LossFn, model: nn.Module, batch: tuple[torch.Tensor, ...]) -> float:
+    loss = loss_fn(model, batch)
+    loss.backward()  # under _call: a loss that is not a scalar tensor fails here, by name
+    return float(loss.item())
 
 
 def sample_fingerprints(batch: Sequence[torch.Tensor]) -> list[str]:
@@ -249,21 +281,27 @@ def run_reference(cfg: VerifyConfig) -> tuple[_Reference, str]:
     """Train in this process on the global batches; return the trajectory and a model summary."""
     model_fn, batch_fn, loss_fn = _factories(cfg)
     torch.manual_seed(cfg.seed)
-    model = model_fn()
+    model = _call("model", cfg.model, model_fn, shown="model_fn()")
+    if not isinstance(model, nn.Module) or next(model.parameters(), None) is None:
+        got = type(model).__name__ + (" without parameters" if isinstance(model, nn.Module) else "")
+        raise FactoryError(
+            "model", cfg.model, f"did not return a torch.nn.Module with parameters (got {got})"
+        )
     params = list(model.parameters())
     summary = f"{type(model).__name__} ({sum(p.numel() for p in params):,} parameters)"
     ref = _Reference([_flat(params)], [], [], [], _checksum(params))
     opt = _optimizer(cfg, [p for p in params if p.requires_grad])
     for step in range(cfg.steps):
-        batch = _as_batch(batch_fn(0, 1, step), f"batch_fn(0, 1, {step})")
+        where = f"batch_fn(0, 1, {step})"
+        batch = _call("batches", cfg.batches, batch_fn, 0, 1, step, shown=where)
+        batch = _as_batch(cfg, batch, where)
         ref.samples.append(sample_fingerprints(batch))
         opt.zero_grad()
-        loss = loss_fn(model, batch)
-        loss.backward()
+        shown = f"loss_fn(model, {where})"
+        ref.losses.append(_call("loss", cfg.loss, _backward, loss_fn, model, batch, shown=shown))
         ref.grads.append(_flat_grads(params))
         opt.step()
         ref.params.append(_flat(params))
-        ref.losses.append(loss.item())
     return ref, summary
 
 
@@ -286,7 +324,8 @@ def _rank_main(rank: int, world_size: int, cfg: VerifyConfig, ref: _Reference) -
     before = _flat(params)
     for step in range(cfg.steps):
         where = f"batch_fn({rank}, {world_size}, {step})"
-        batch = _as_batch(inj.rank_batch(batch_fn, rank, world_size, step, cfg.inject, spe), where)
+        batch = inj.rank_batch(batch_fn, rank, world_size, step, cfg.inject, spe)
+        batch = _as_batch(cfg, batch, where)
         out.samples.append(sample_fingerprints(batch))
         opt.zero_grad()
         loss = loss_fn(wrapped, batch)
