@@ -5,9 +5,11 @@ from gradsync.ddp.naive import average_gradients
 from gradsync.ddp.wrapper import DistributedDataParallel
 from gradsync.errors import (
     CollectiveTimeoutError,
+    DesyncError,
     GradsyncError,
     ModelMismatchError,
     NonFiniteGradientError,
+    ParametersChangedError,
     ProtocolError,
     ReplicaMismatchError,
     UnusedParametersError,
@@ -18,10 +20,12 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CollectiveTimeoutError",
+    "DesyncError",
     "DistributedDataParallel",
     "GradsyncError",
     "ModelMismatchError",
     "NonFiniteGradientError",
+    "ParametersChangedError",
     "ProtocolError",
     "ReplicaMismatchError",
     "UnusedParametersError",

@@ -50,6 +50,16 @@ class ReplicaMismatchError(GradsyncError, RuntimeError):
     """Replicas that should be bit-identical are not."""
 
 
+class DesyncError(GradsyncError, RuntimeError):
+    """Ranks reached a reduction from different points of their training loops (a skipped
+    backward, an extra forward, ``no_sync`` used differently), so their gradients would mix."""
+
+
+class ParametersChangedError(GradsyncError, RuntimeError):
+    """The module's parameter set changed after wrapping (``requires_grad`` flipped, a
+    parameter or submodule replaced or added): buckets and hooks no longer match it."""
+
+
 # -- the harnesses: local ranks and the simulated cluster ---------------------------------------
 class SpawnError(GradsyncError, RuntimeError):
     """One or more ranks started by :func:`gradsync.testing.spawn.spawn` failed."""
@@ -70,10 +80,12 @@ class LaunchError(GradsyncError, RuntimeError):
 __all__ = [
     "ClusterError",
     "CollectiveTimeoutError",
+    "DesyncError",
     "GradsyncError",
     "LaunchError",
     "ModelMismatchError",
     "NonFiniteGradientError",
+    "ParametersChangedError",
     "ProtocolError",
     "ReplicaMismatchError",
     "SpawnError",

@@ -12,8 +12,9 @@ lives behind this one call; the hook path never changes when it does. The contra
    hook must issue its collectives in that order too, and on the group it was built for.
 2. Layout. ``bucket`` is 1-D: the gradients, already scaled by the reduction (``mean``
    pre-divides by the number of active ranks), followed by one used flag per parameter (see
-   [Note: used flags]). The flags must come back as the *exact* sum over ranks: a hook that
-   compresses the wire (lower precision, low rank) must carry them losslessly.
+   [Note: used flags]) and, in bucket 0, one step tag per rank (see [Note: step tags]). Flags
+   and tags must come back as the *exact* sum over ranks: a hook that compresses the wire
+   (lower precision, low rank) must carry them losslessly.
 3. No blocking. ``start`` returns at once with a handle; ``handle.wait(timeout)`` returns when
    the result is in place and raises ``RuntimeError`` if it is not there within ``timeout``,
    as ``dist.Work.wait`` does (gradsync's deadlines are built on that).

@@ -8,7 +8,8 @@ Distributed: Experiences on Accelerating Data Parallel Training", VLDB 2020, sec
 
 Planning (:func:`plan_buckets`) is pure: sizes in, layout out, no process group, so it is
 tested on its own. :class:`Bucket` is one planned bucket made real: a flat buffer of gradients
-followed by one used flag per parameter (see [Note: used flags] in ``reducer.py``).
+followed by one used flag per parameter (see [Note: used flags] in ``reducer.py``) and, in the
+first bucket, every rank's step tag (see [Note: step tags] in ``step_tags.py``).
 """
 
 from __future__ import annotations
@@ -101,13 +102,15 @@ def plan_buckets(
 class Bucket:
     """One flat buffer of gradients plus a used flag per parameter, and its fill state."""
 
-    def __init__(self, spec: BucketSpec, params: Sequence[nn.Parameter]) -> None:
+    def __init__(self, spec: BucketSpec, params: Sequence[nn.Parameter], num_tags: int = 0) -> None:
         self.spec = spec
         self.params = list(params)
         device = self.params[0].device
-        self.buffer = torch.zeros(spec.numel + len(params), dtype=spec.dtype, device=device)
+        n_flags = len(params)
+        self.buffer = torch.zeros(spec.numel + n_flags + num_tags, dtype=spec.dtype, device=device)
         self.grads = self.buffer[: spec.numel]
-        self.used_flags = self.buffer[spec.numel :]
+        self.used_flags = self.buffer[spec.numel : spec.numel + n_flags]
+        self.tags = self.buffer[spec.numel + n_flags :]  # see [Note: step tags]
         self.views = [
             self.buffer[off : off + p.numel()].view(p.shape)
             for off, p in zip(spec.offsets, self.params, strict=True)

@@ -1,51 +1,208 @@
-"""Deadlines for gradsync's own collectives: a missing rank becomes an error that says what for.
+"""Deadlines for gradsync's own collectives: a missing rank becomes an error that names it.
 
 Torch's default process-group timeout is 30 minutes and its message names no cause. Every
-collective gradsync issues is started asynchronously and waited for with its own deadline
-(``timeout=`` of the wrapper, minutes by default, seconds in tests); on expiry every waiting rank
-raises :class:`CollectiveTimeoutError` naming the operation, the step and the usual culprits.
+collective gradsync issues goes through a :class:`Deadline`: it is started asynchronously and
+waited for with the wrapper's own ``timeout=`` (minutes by default, seconds in tests). On expiry
+every waiting rank raises :class:`CollectiveTimeoutError` naming the operation, the step, the
+ranks that did not arrive and where they were last seen (``arrivals.py``).
+
+After such a failure the group may hold a half-finished collective, which would pair with a
+late rank's next one (mixing unrelated tensors) and keeps the process from exiting until the
+group's own timeout. So the deadline then refuses every further collective with an error that
+says why, and releases the group (``release.py``) so that the process can end.
 """
 
 from __future__ import annotations
 
 import math
+import pickle
+import time
 from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
 
 from gradsync.comm import Handle
+from gradsync.ddp.arrivals import ArrivalRecords
+from gradsync.ddp.group import private_group, release_group
 from gradsync.errors import CollectiveTimeoutError, UsageError
+
+_CULPRITS = (
+    "A rank that does not arrive may be busy with rank-specific work (saving, evaluating on "
+    "rank 0 only), blocked in a collective the others do not issue (e.g. a logging all_reduce "
+    "on some ranks only), out of data (wrap the loop in `with model.join(optimizer):`), stopped "
+    "or dead. Raise `timeout=` of DistributedDataParallel if the work is legitimately that long."
+)
 
 
 def as_timedelta(timeout: float | timedelta) -> timedelta:
     """``timeout`` (seconds or ``timedelta``) as a ``timedelta``; it must be positive and finite
     in either form, since a zero or infinite deadline would wait forever."""
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float, timedelta)):
+        raise UsageError(f"timeout must be seconds or a timedelta, got {timeout!r}")
     seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
     if not (math.isfinite(seconds) and seconds > 0):
         raise UsageError(f"timeout must be a positive, finite duration, got {timeout!r}")
     return timedelta(seconds=seconds)
 
 
-def wait_or_raise(handle: Handle, timeout: timedelta | None, what: str, rank: int) -> None:
-    """``handle.wait(timeout)``, turning a timeout or a lost peer into a message with a cause.
+class Deadline:
+    """gradsync's collectives on one process group, each bounded by ``timeout``.
 
-    ``timeout=None`` waits without a deadline of ours. The reducer passes it for CUDA tensors:
-    on NCCL a wait with a timeout blocks the host until the GPU is done, once per bucket, which
-    would stall the launch of the rest of backward; there the process group's own timeout
-    (``init_process_group(timeout=...)``) is the deadline.
+    ``begin(what)`` marks the start of one of gradsync's operations (construction, a training
+    step, a join round, a check): it refuses to start after a failure and writes this rank's
+    arrival record. ``wait`` / ``gather_objects`` / ``all_reduce`` do the waiting.
     """
+
+    def __init__(
+        self, group: dist.ProcessGroup | None, timeout: timedelta, arrivals: ArrivalRecords
+    ) -> None:
+        self.group = group
+        self.timeout = timeout
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        self.device = torch.device("cpu")
+        if dist.get_backend(group) == "nccl":
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.arrivals = arrivals
+        self.owns_group = False  # a private group (for_group) is released after a failure
+        self.seq = 0  # operations begun; the same sequence on every rank
+        self.where = "construction"
+        self.failure: str | None = None
+        # Completed handles are kept until the next operation: dropping the last reference to
+        # a finished gloo work on its worker thread can race with interpreter shutdown
+        # (std::terminate in ~AsyncWork, pytorch#190489); released here, on this thread, it
+        # cannot.
+        self._recent: list[Handle | dist.Work] = []
+
+    @classmethod
+    def for_group(
+        cls, group: dist.ProcessGroup | None, timeout: timedelta, namespace: str
+    ) -> Deadline:
+        """A deadline for gradsync's collectives over ``group``'s ranks, on a private group
+        (``group.py``) created once every rank has arrived: the arrival is checked through the
+        store, so a rank that never comes fails the others within ``timeout``, not torch's."""
+        arrivals = ArrivalRecords(group, namespace)
+        arrivals.record(1, "construction")
+        behind = arrivals.wait_for_all(1, timeout)
+        if behind == [-1]:
+            raise CollectiveTimeoutError(
+                f"rank {arrivals.rank} reached the construction of {namespace} after another "
+                f"rank had given up waiting for it ({timeout.total_seconds():g} s): this rank "
+                f"was late. {_CULPRITS}"
+            )
+        if behind:
+            raise CollectiveTimeoutError(
+                f"rank {arrivals.rank} gave up waiting for the other ranks to construct "
+                f"{namespace} after {timeout.total_seconds():g} s; "
+                f"{arrivals.describe_missing(1)}. {_CULPRITS}"
+            )
+        try:
+            group = private_group(group, timeout)
+        except RuntimeError as exc:  # a rank died between arriving and connecting
+            raise CollectiveTimeoutError(
+                f"rank {arrivals.rank} could not connect gradsync's process group for "
+                f"{namespace} within {timeout.total_seconds():g} s ({exc}). {_CULPRITS}"
+            ) from exc
+        deadline = cls(group, timeout, arrivals)
+        deadline.owns_group = True
+        deadline.seq = 1
+        return deadline
+
+    def begin(self, what: str) -> None:
+        """Start operation ``what``; raises if an earlier collective of this group failed."""
+        self.check_usable()
+        self.seq += 1
+        self.where = what
+        self._recent.clear()
+        self.arrivals.record(self.seq, what)
+
+    def check_usable(self) -> None:
+        if self.failure is not None:
+            raise CollectiveTimeoutError(
+                f"rank {self.rank}: this wrapper issues no more collectives because an earlier "
+                f"one failed: {self.failure} Its process group may still hold that unfinished "
+                "collective, which a late rank's next one would pair with. Re-create the process "
+                "group and the wrapper (or restart the job, e.g. from a checkpoint)."
+            )
+
+    def record_error(self, error: BaseException) -> None:
+        """Leave word in the arrival records that this rank raised ``error`` (for its peers)."""
+        summary = str(error).splitlines()[0][:200]
+        self.arrivals.record(
+            self.seq, f"{self.where}, where it raised {type(error).__name__}: {summary}"
+        )
+
+    def wait(self, handle: Handle | dist.Work, what: str, *, host_deadline: bool = True) -> None:
+        """Wait for ``handle`` under the deadline; on a timeout or a lost peer raise
+        :class:`CollectiveTimeoutError` on this rank, naming who is missing.
+
+        ``host_deadline=False`` waits without a host-side deadline: on NCCL a wait with a
+        timeout blocks the host until the GPU is done, once per bucket, which would stall the
+        launch of the rest of backward; there the process group's own timeout is the deadline.
+        """
+        start = time.monotonic()
+        try:
+            if host_deadline:
+                handle.wait(timeout=self.timeout)
+            else:
+                handle.wait()
+        except RuntimeError as exc:
+            self._fail(what, exc, time.monotonic() - start)
+        self._recent.append(handle)
+
+    def _fail(self, what: str, exc: BaseException, waited: float) -> None:
+        cause = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        if waited < 0.9 * self.timeout.total_seconds():  # not the deadline: a peer went away
+            how = f"lost a peer after {waited:.1f} s while waiting for {what} ({self.where})"
+        else:
+            how = f"gave up waiting for {what} ({self.where}) after {waited:.1f} s"
+        where = self.arrivals.describe_missing(self.seq, self.where)
+        self.failure = f"rank {self.rank} {how}; {where}. (backend: {cause})"
+        error = CollectiveTimeoutError(f"{self.failure} {_CULPRITS}")
+        if self.owns_group:
+            assert self.group is not None
+            release_group(self.group)
+        raise error from exc
+
+    def all_reduce(self, tensor: torch.Tensor, what: str, op: Any = dist.ReduceOp.SUM) -> None:
+        self.check_usable()
+        work = dist.all_reduce(tensor, op=op, group=self.group, async_op=True)
+        assert work is not None
+        self.wait(work, what)
+
+    def gather_objects(self, obj: Any, what: str) -> list[Any]:
+        """``dist.all_gather_object`` under the deadline (torch's has none): two all-gathers,
+        of the pickled sizes, then of the padded bytes."""
+        self.check_usable()
+        data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(self.device)
+        size = torch.tensor([data.numel()], dtype=torch.int64, device=self.device)
+        sizes = [torch.empty_like(size) for _ in range(self.world_size)]
+        self._wait_collective(dist.all_gather(sizes, size, group=self.group, async_op=True), what)
+        longest = max(int(s.item()) for s in sizes)
+        padded = torch.zeros(longest, dtype=torch.uint8, device=self.device)
+        padded[: data.numel()] = data
+        chunks = [torch.empty_like(padded) for _ in range(self.world_size)]
+        self._wait_collective(
+            dist.all_gather(chunks, padded, group=self.group, async_op=True), what
+        )
+        return [
+            pickle.loads(c[: int(s.item())].cpu().numpy().tobytes())  # noqa: S301 (our peers)
+            for c, s in zip(chunks, sizes, strict=True)
+        ]
+
+    def _wait_collective(self, work: dist.Work | None, what: str) -> None:
+        assert work is not None
+        self.wait(work, what)
+
+
+def wait_or_raise(handle: Handle, timeout: timedelta | None, what: str, rank: int) -> None:
+    """Transitional: ``handle.wait(timeout)`` raising :class:`CollectiveTimeoutError`."""
     try:
         if timeout is None:
-            handle.wait()  # dist.Work.wait takes no None
+            handle.wait()
         else:
             handle.wait(timeout=timeout)
     except RuntimeError as exc:
-        limit = (
-            f"at most {timeout.total_seconds():g} s" if timeout else "the process group's timeout"
-        )
-        raise CollectiveTimeoutError(
-            f"rank {rank} gave up waiting for {what} after {limit} ({exc}). Some "
-            "rank did not get there: it may be busy with rank-specific work (saving, evaluating "
-            "on rank 0 only), blocked in a collective the others do not issue (e.g. a logging "
-            "all_reduce on some ranks only), out of data (wrap the loop in "
-            "`with model.join(optimizer):`), or dead. Raise `timeout=` of "
-            "DistributedDataParallel if the work is legitimately that long."
-        ) from exc
+        raise CollectiveTimeoutError(f"rank {rank} gave up waiting for {what} ({exc})") from exc

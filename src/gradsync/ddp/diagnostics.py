@@ -11,7 +11,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from gradsync.ddp.deadline import wait_or_raise
+from gradsync.ddp.arrivals import ArrivalRecords
+from gradsync.ddp.deadline import Deadline, as_timedelta
 from gradsync.errors import ReplicaMismatchError
 
 _INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -33,9 +34,7 @@ def tensor_checksum(t: torch.Tensor) -> torch.Tensor:
 
 
 def check_replicas(
-    named_tensors: Sequence[tuple[str, torch.Tensor]],
-    group: dist.ProcessGroup | None,
-    timeout: timedelta,
+    named_tensors: Sequence[tuple[str, torch.Tensor]], deadline: Deadline, hint: str = ""
 ) -> None:
     """Raise :class:`ReplicaMismatchError` on every rank unless every rank holds the same bits.
 
@@ -44,20 +43,24 @@ def check_replicas(
     """
     if not named_tensors:
         return
-    rank, world = dist.get_rank(group), dist.get_world_size(group)
-    mine = torch.stack([tensor_checksum(t) for _, t in named_tensors])
-    gathered = [torch.empty_like(mine) for _ in range(world)]
-    work = dist.all_gather(gathered, mine, group=group, async_op=True)
+    deadline.check_usable()
+    mine = torch.stack([tensor_checksum(t) for _, t in named_tensors]).to(deadline.device)
+    gathered = [torch.empty_like(mine) for _ in range(deadline.world_size)]
+    work = dist.all_gather(gathered, mine, group=deadline.group, async_op=True)
     assert work is not None
-    wait_or_raise(work, timeout, "the replica check (all_gather of checksums)", rank)
+    deadline.wait(work, "the replica check (all_gather of checksums)")
     for i, (name, _) in enumerate(named_tensors):
-        differ = [r for r in range(1, world) if not torch.equal(gathered[r][i], gathered[0][i])]
+        differ = [
+            r
+            for r in range(1, deadline.world_size)
+            if not torch.equal(gathered[r][i], gathered[0][i])
+        ]
         if differ:
             raise ReplicaMismatchError(
                 f"replicas have diverged: '{name}' on rank(s) {differ} differs from "
-                f"rank 0 (seen from rank {rank}). Something changed parameters outside the "
-                "synchronised step: an optimizer step on one rank only, a rank-dependent update, "
-                "or a gradient modified after synchronisation."
+                f"rank 0 (seen from rank {deadline.rank}). Something changed parameters outside "
+                "the synchronised step: an optimizer step on one rank only, a rank-dependent "
+                f"update, or a gradient modified after synchronisation. {hint}".rstrip()
             )
 
 
@@ -81,13 +84,12 @@ def _tensors(obj: Any) -> Iterable[torch.Tensor]:
             yield from _tensors(v)
 
 
-def warn_if_same_batch(batch: Any, group: dist.ProcessGroup | None) -> bool:
+def warn_if_same_batch(batch: Any, deadline: Deadline) -> bool:
     """Warn on every rank if every rank's first batch is identical: the data is not sharded."""
-    world = dist.get_world_size(group)
+    world = deadline.world_size
     if world == 1:
         return False
-    prints: list[str | None] = [None] * world
-    dist.all_gather_object(prints, batch_fingerprint(batch), group=group)
+    prints = deadline.gather_objects(batch_fingerprint(batch), "the first-batch check")
     if prints[0] and all(p == prints[0] for p in prints):
         warnings.warn(
             f"gradsync: all {world} ranks received an identical first batch: the data is not "
@@ -99,7 +101,9 @@ def warn_if_same_batch(batch: Any, group: dist.ProcessGroup | None) -> bool:
     return False
 
 
-def any_rank(flag: bool, group: dist.ProcessGroup | None = None) -> bool:
+def any_rank(
+    flag: bool, group: dist.ProcessGroup | None = None, timeout: float | timedelta = 300.0
+) -> bool:
     """True on every rank if ``flag`` is true on any rank: for decisions all ranks must share.
 
     Skipping a step because of a NaN loss on one rank only would leave the others waiting in
@@ -109,7 +113,8 @@ def any_rank(flag: bool, group: dist.ProcessGroup | None = None) -> bool:
             optimizer.zero_grad()
             continue  # every rank skips together; parameters unchanged
     """
-    device = "cuda" if dist.get_backend(group) == "nccl" else "cpu"
-    t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    deadline = Deadline(group, as_timedelta(timeout), ArrivalRecords(group, "any_rank"))
+    deadline.begin("gradsync.any_rank")
+    t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=deadline.device)
+    deadline.all_reduce(t, "gradsync.any_rank", op=dist.ReduceOp.MAX)
     return bool(t.item())

@@ -23,19 +23,25 @@ exactly as single-process training would.
 from __future__ import annotations
 
 import enum
+import weakref
 from collections.abc import Callable, Sequence
-from datetime import timedelta
 
 import torch
-import torch.distributed as dist
-from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from gradsync.comm import CommHook
 from gradsync.ddp.buckets import Bucket, BucketSpec
-from gradsync.ddp.deadline import wait_or_raise
-from gradsync.ddp.grad_checks import raise_if_unused, raise_nonfinite
+from gradsync.ddp.deadline import Deadline
+from gradsync.ddp.param_watch import ParameterWatch
 from gradsync.ddp.reduction import Reduction
-from gradsync.errors import ProtocolError
+from gradsync.ddp.step_checks import check_tags, raise_if_unused, raise_nonfinite
+from gradsync.ddp.step_tags import NO_ITEMS, NUM_FIELDS, PARAMS_CHANGED, StepTag, decode
+from gradsync.errors import GradsyncError, ProtocolError
+
+# id(parameter) -> the reducer whose hooks it carries. Wrapping parameters again retires the
+# old reducer (its hooks are removed), so a re-wrap after a change works and the old wrapper
+# says so if used, instead of failing with "no forward ran through the wrapper".
+_OWNERS: dict[int, weakref.ref[Reducer]] = {}
 
 
 class _Phase(enum.Enum):
@@ -43,6 +49,7 @@ class _Phase(enum.Enum):
     ACCUMULATING = "accumulating"  # last forward ran under no_sync(): gradients stay local
     ARMED = "armed"  # last forward ran with sync on: the next backward reduces
     REDUCING = "reducing"  # inside that backward: buckets are being launched
+    RETIRED = "retired"  # a newer wrapper took these parameters over
 
 
 class Reducer:
@@ -55,30 +62,36 @@ class Reducer:
 
     def __init__(
         self,
-        named_params: Sequence[tuple[str, nn.Parameter]],
+        watch: ParameterWatch,
         specs: Sequence[BucketSpec],
         *,
-        process_group: dist.ProcessGroup | None,
+        deadline: Deadline,
         comm_hook: CommHook,
         reduction: Reduction,
         find_unused_parameters: bool,
         gradient_as_bucket_view: bool,
-        timeout: timedelta,
         check_finite: bool = False,
     ) -> None:
-        self.names = [n for n, _ in named_params]
-        self.params = [p for _, p in named_params]
-        self.process_group = process_group
+        # named_parameters() yields a tied parameter once, so it is reduced once.
+        trainable = [(n, p) for n, p in watch.named if p.requires_grad]
+        self.names = [n for n, _ in trainable]
+        self.params = [p for _, p in trainable]
+        self.watch = watch
+        self.deadline = deadline
         self.comm_hook = comm_hook
         self.reduction = reduction
         self.find_unused_parameters = find_unused_parameters
         self.gradient_as_bucket_view = gradient_as_bucket_view
-        on_cuda = bool(named_params) and named_params[0][1].is_cuda
-        self.timeout = None if on_cuda else timeout  # see deadline.wait_or_raise
+        # On CUDA a host-side wait blocks until the GPU is done; see Deadline.wait.
+        self.host_deadline = not (bool(self.params) and self.params[0].is_cuda)
         self.check_finite = check_finite
-        self.world_size = dist.get_world_size(process_group)
-        self.rank = dist.get_rank(process_group)
-        self.buckets = [Bucket(s, [self.params[i] for i in s.param_indices]) for s in specs]
+        self.world_size = deadline.world_size
+        self.rank = deadline.rank
+        num_tags = NUM_FIELDS * self.world_size  # in the first bucket only: [Note: step tags]
+        self.buckets = [
+            Bucket(s, [self.params[i] for i in s.param_indices], num_tags * (b == 0))
+            for b, s in enumerate(specs)
+        ]
         # param index -> (bucket index, slot in bucket)
         self.location: dict[int, tuple[int, int]] = {}
         for b, spec in enumerate(specs):
@@ -91,18 +104,56 @@ class Reducer:
         # Ranks that contribute data to the coming reduction: fewer than world_size once some
         # ranks have run out of data and joined (see join.py); they contribute zeros.
         self.num_active = self.world_size
+        self.window_forwards = 0  # training forwards in this window (see [Note: step tags])
+        self.window_no_sync = 0
+        self.changes: list[str] = []  # how the parameter set differs from wrapping time
         self._local_nonfinite: list[str] = []
-        for i, p in enumerate(self.params):
+        self._hooks = self._take_over_parameters()
+
+    def _take_over_parameters(self) -> list[RemovableHandle]:
+        for p in self.params:
+            owner = _OWNERS.get(id(p))
+            previous = owner() if owner is not None else None
+            if previous is not None and previous is not self:
+                previous.retire()
+            _OWNERS[id(p)] = weakref.ref(self)
+        return [
             p.register_post_accumulate_grad_hook(self._make_hook(i))
+            for i, p in enumerate(self.params)
+        ]
+
+    def retire(self) -> None:
+        """Remove this reducer's hooks: a newer wrapper of the same parameters replaces it."""
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+        self.phase = _Phase.RETIRED
 
     # -- forward side ---------------------------------------------------------------------
-    def prepare_for_backward(self, sync: bool, num_active: int | None = None) -> None:
-        """Called by every grad-enabled forward: decides whether its backward reduces, and over
-        how many active ranks (``None``: all of them; fewer inside ``join()``)."""
+    def check_forward_allowed(self) -> None:
+        """Raise if a forward now would break the protocol (before any collective is issued)."""
+        self.deadline.check_usable()
+        if self.phase is _Phase.RETIRED:
+            raise ProtocolError(
+                "this DistributedDataParallel was replaced by a newer one wrapping the same "
+                "parameters; use the new wrapper (the old one no longer synchronises anything)"
+            )
         if self.phase is _Phase.REDUCING:
             raise ProtocolError("forward called while a synchronised backward is still running")
+
+    def prepare_for_backward(
+        self, sync: bool, training: bool, num_active: int | None = None
+    ) -> None:
+        """Called by every grad-enabled forward: decides whether its backward reduces, and over
+        how many active ranks (``None``: all of them; fewer inside ``join()``). Only
+        ``training`` forwards count in the step tag (eval forwards may run on one rank)."""
+        self.check_forward_allowed()
         self.phase = _Phase.ARMED if sync else _Phase.ACCUMULATING
         self.num_active = self.world_size if num_active is None else num_active
+        if training:
+            self.window_forwards += 1
+            self.window_no_sync += 0 if sync else 1
+        self.changes = self.watch.changes()
 
     def count_items(self, num_items: float) -> None:
         """Declare that the current micro-batch's (sum-reduced) loss covers ``num_items`` items."""
@@ -116,7 +167,11 @@ class Reducer:
     # -- backward side --------------------------------------------------------------------
     def _make_hook(self, index: int) -> Callable[[torch.Tensor], None]:
         def hook(param: torch.Tensor) -> None:
-            self._on_grad_ready(index)
+            try:
+                self._on_grad_ready(index)
+            except GradsyncError as exc:
+                self.deadline.record_error(exc)  # so that the peers' timeout can name it
+                raise
 
         return hook
 
@@ -133,12 +188,7 @@ class Reducer:
                 "backward."
             )
         if self.phase is _Phase.ARMED:
-            self.phase = _Phase.REDUCING
-            self.reduction.start_item_exchange(contributes=True)
-            # Runs once the whole backward pass has finished, on the engine's thread.
-            torch.autograd.Variable._execution_engine.queue_callback(
-                self.finish_gradient_synchronization
-            )
+            self._start_reduction()
         b, slot = self.location[index]
         bucket = self.buckets[b]
         if bucket.ready[slot]:
@@ -150,6 +200,33 @@ class Reducer:
         bucket.mark_param_as_ready(slot, self.gradient_as_bucket_view, scale)
         if bucket.pending == 0:
             self._launch_ready_buckets()
+
+    def _start_reduction(self) -> None:
+        self.phase = _Phase.REDUCING
+        self.deadline.begin(f"the gradient reduction of step {self.num_reductions}")
+        self._write_tag(contributes=True)
+        self.reduction.start_item_exchange(contributes=True)
+        # Runs once the whole backward pass has finished, on the engine's thread.
+        torch.autograd.Variable._execution_engine.queue_callback(
+            self.finish_gradient_synchronization
+        )
+
+    def _write_tag(self, contributes: bool) -> None:
+        if not self.buckets:
+            return
+        tags = self.buckets[0].tags
+        tags.zero_()
+        if contributes:
+            flags = PARAMS_CHANGED * bool(self.changes) | NO_ITEMS * self.reduction.missing_count
+            tag = StepTag(
+                self.num_reductions,
+                self.window_forwards,
+                self.window_no_sync,
+                self.watch.updates_since_wrapping(),
+                flags,
+            )
+            mine = tags[self.rank * NUM_FIELDS : (self.rank + 1) * NUM_FIELDS]
+            mine.copy_(torch.tensor(tag.encode(), dtype=tags.dtype))
 
     def _launch_ready_buckets(self) -> None:
         # In index order only; see [Note: when a bucket fires].
@@ -186,6 +263,8 @@ class Reducer:
         self.num_active = num_active
         self.phase = _Phase.REDUCING
         self.used = [False] * len(self.params)
+        self.deadline.begin(f"a join round (step {self.num_reductions}, out of data)")
+        self._write_tag(contributes=False)
         self.reduction.start_item_exchange(contributes=False)
         self._complete(shadow=True, write_back=write_back)
 
@@ -194,16 +273,21 @@ class Reducer:
         try:
             self._launch_remaining(zeros=shadow)
             self._wait_all()
-            counts, finite, total_items = self._read_results()
+            counts, finite, total_items, tags = self._read_results()
+            if tags is not None:
+                check_tags(tags, self.deadline, self.num_reductions, self.watch, self.changes)
             if finite is not None and not all(finite):
                 bad = [b for b, ok in enumerate(finite) if not ok]
-                raise_nonfinite(bad, self._local_nonfinite, self.rank, self.process_group)
+                raise_nonfinite(bad, self._local_nonfinite, self.deadline)
             if not self.find_unused_parameters:
                 self._raise_if_unused(counts)
             self.reduction.post_divide([b.grads for b in self.buckets], total_items)
             if write_back:
                 self._write_back(counts)
             self.num_reductions += 1
+        except GradsyncError as exc:
+            self.deadline.record_error(exc)
+            raise
         finally:
             self._reset()
 
@@ -222,18 +306,26 @@ class Reducer:
         step = f"step {self.num_reductions}"
         if self.reduction.exchange is not None:
             what = f"the item count ({step})"
-            wait_or_raise(self.reduction.exchange, self.timeout, what, self.rank)
+            self.deadline.wait(self.reduction.exchange, what, host_deadline=self.host_deadline)
         for bucket in self.buckets:
             assert bucket.work is not None
             what = f"the all-reduce of bucket {bucket.spec.index} ({step})"
-            wait_or_raise(bucket.work, self.timeout, what, self.rank)
+            self.deadline.wait(bucket.work, what, host_deadline=self.host_deadline)
 
-    def _read_results(self) -> tuple[list[list[float]], list[float] | None, float]:
-        """(used counts per bucket, finite flag per bucket or None, global item count).
+    def _read_results(
+        self,
+    ) -> tuple[list[list[float]], list[float] | None, float, list[StepTag | None] | None]:
+        """(used counts per bucket, finite flag per bucket or None, global item count, every
+        rank's step tag or None).
 
         One device-to-host read for all of it: on CUDA a sync point, so only one per step.
         """
-        parts = [b.used_flags for b in self.buckets]
+        flags = [b.used_flags for b in self.buckets]
+        parts = []
+        if flags:  # one cat per dtype, not one conversion per bucket (hundreds with cap 0)
+            same = len({f.dtype for f in flags}) == 1
+            parts.append(torch.cat(flags if same else [f.double() for f in flags]))
+            parts.append(self.buckets[0].tags)
         if self.check_finite and self.buckets:
             parts.append(torch.stack([torch.isfinite(b.grads).all() for b in self.buckets]))
         if self.reduction.counts_items:
@@ -243,12 +335,17 @@ class Reducer:
         for bucket in self.buckets:
             counts.append(flat[start : start + len(bucket.params)])
             start += len(bucket.params)
+        tags = None
+        if self.buckets:
+            num_tags = self.buckets[0].tags.numel()
+            tags = decode(flat[start : start + num_tags], self.world_size)
+            start += num_tags
         finite = None
         if self.check_finite:
             finite = flat[start : start + len(self.buckets)]
             start += len(self.buckets)
         total_items = flat[start] if self.reduction.counts_items else 0.0
-        return counts, finite, total_items
+        return counts, finite, total_items, tags
 
     def _reset(self) -> None:
         for bucket in self.buckets:
@@ -258,6 +355,7 @@ class Reducer:
         self.reduction.reset()
         self._local_nonfinite = []
         self.num_active = self.world_size
+        self.window_forwards = self.window_no_sync = 0
         self.phase = _Phase.UNPREPARED
 
     def _check_finite_locally(self, bucket: Bucket) -> None:
@@ -277,7 +375,7 @@ class Reducer:
             if c < self.num_active
         ]
         unused_here = [self.names[i] for i in range(len(self.params)) if not self.used[i]]
-        raise_if_unused(missing, unused_here, self.rank, self.process_group)
+        raise_if_unused(missing, unused_here, self.deadline)
 
     def _write_back(self, counts: list[list[float]]) -> None:
         copy_dst: list[torch.Tensor] = []

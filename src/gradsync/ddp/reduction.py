@@ -47,6 +47,7 @@ class Reduction:
         self.name = check_reduction(name)
         self.group = group
         self.local_items = 0.0  # declared on this rank in the current accumulation window
+        self.declared = False  # count_items() was called in this window (0 items is legal)
         # The item exchange's buffer; float64 so counts stay exact far beyond 2**24.
         self.total_items = torch.zeros(1, dtype=torch.float64, device=device)
         self.exchange: Handle | None = None
@@ -72,6 +73,13 @@ class Reduction:
         if not math.isfinite(value) or value < 0:
             raise UsageError(f"count_items() needs a finite count >= 0, got {num_items}")
         self.local_items += value
+        self.declared = True
+
+    @property
+    def missing_count(self) -> bool:
+        """``item_mean`` and no ``count_items()`` in this window: the divisor would lack this
+        rank's items (a forgotten call; declaring 0 items is legal and not this)."""
+        return self.counts_items and not self.declared
 
     def start_item_exchange(self, contributes: bool) -> None:
         """Start summing the window's counts over ranks (``item_mean`` only; a rank that has
@@ -95,4 +103,5 @@ class Reduction:
     def reset(self) -> None:
         """Start a new accumulation window."""
         self.local_items = 0.0
+        self.declared = False
         self.exchange = None

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from gradsync.ddp.deadline import wait_or_raise
+from gradsync.ddp.deadline import Deadline
 from gradsync.errors import ModelMismatchError
 
 
@@ -28,17 +27,16 @@ def describe(
 def check_same_model(
     rows: list[tuple[str, str, tuple[int, ...], str, bool]],
     settings: dict[str, Any],
-    group: dist.ProcessGroup | None,
+    deadline: Deadline,
 ) -> None:
     """Raise :class:`ModelMismatchError` on every rank unless all ranks hold the same model and
     settings.
 
-    One ``all_gather_object`` of the description; every rank then runs the same comparison on
-    the same data, so every rank raises the same error and none is left waiting.
+    One gather of the description under the deadline; every rank then runs the same
+    comparison on the same data, so every rank raises the same error and none is left waiting.
     """
-    world = dist.get_world_size(group)
-    gathered: list[Any] = [None] * world
-    dist.all_gather_object(gathered, (rows, settings), group=group)
+    world = deadline.world_size
+    gathered = deadline.gather_objects((rows, settings), "the model check at construction")
     ref_rows, ref_settings = gathered[0]
     for r in range(1, world):
         other_rows, other_settings = gathered[r]
@@ -69,11 +67,7 @@ def _fmt(row: tuple[str, str, tuple[int, ...], str, bool]) -> str:
 
 
 def broadcast_from(
-    tensors: Sequence[torch.Tensor],
-    group: dist.ProcessGroup | None,
-    src: int = 0,
-    timeout: timedelta | None = None,
-    what: str = "a broadcast",
+    tensors: Sequence[torch.Tensor], deadline: Deadline, src: int, what: str
 ) -> None:
     """Overwrite ``tensors`` with group rank ``src``'s values: one broadcast per dtype and device.
 
@@ -85,12 +79,10 @@ def broadcast_from(
         by_kind.setdefault((t.dtype, t.device), []).append(t)
     for group_tensors in by_kind.values():
         flat = torch.cat([t.detach().reshape(-1) for t in group_tensors])
-        work = dist.broadcast(flat, group=group, group_src=src, async_op=True)
+        deadline.check_usable()
+        work = dist.broadcast(flat, group=deadline.group, group_src=src, async_op=True)
         assert work is not None
-        if timeout is None:
-            work.wait()
-        else:
-            wait_or_raise(work, timeout, what, dist.get_rank(group))
+        deadline.wait(work, what)
         offset = 0
         with torch.no_grad():
             for t in group_tensors:

@@ -18,15 +18,17 @@ from torch import nn
 
 from gradsync.comm import AllReduceAlgorithm, AllReduceHook, get_algorithm
 from gradsync.ddp.buckets import BucketSpec, cap_to_bytes, plan_buckets
-from gradsync.ddp.deadline import as_timedelta
+from gradsync.ddp.deadline import Deadline, as_timedelta
 from gradsync.ddp.diagnostics import check_replicas, warn_if_same_batch
 from gradsync.ddp.join import JoinProtocol
+from gradsync.ddp.param_watch import ParameterWatch
 from gradsync.ddp.reducer import Reducer
 from gradsync.ddp.reduction import Reduction, check_reduction
 from gradsync.ddp.replicas import broadcast_from, check_same_model, describe
-from gradsync.errors import ProtocolError
+from gradsync.errors import GradsyncError, ProtocolError, UsageError
 
 _PREFIXES = ("module.", "_orig_mod.")  # added by wrapping in DDP and by torch.compile
+_num_wrappers = 0  # wrappers built in this process: the same sequence on every rank
 
 
 class DistributedDataParallel(nn.Module):
@@ -81,11 +83,7 @@ class DistributedDataParallel(nn.Module):
         check_replicas_every: int = 0,
     ) -> None:
         super().__init__()
-        if not dist.is_initialized():
-            raise ProtocolError(
-                "torch.distributed is not initialised; call "
-                "dist.init_process_group(...) (torchrun sets up its environment) first"
-            )
+        _check_can_wrap(module)
         check_reduction(reduction)
         self.module = module
         self.process_group = process_group
@@ -94,6 +92,11 @@ class DistributedDataParallel(nn.Module):
         self.algorithm = get_algorithm(algorithm)
         self.timeout = as_timedelta(timeout)
         self.check_replicas_every = check_replicas_every
+        global _num_wrappers
+        _num_wrappers += 1
+        self._deadline = Deadline.for_group(
+            process_group, self.timeout, f"DistributedDataParallel #{_num_wrappers}"
+        )
         # Every setting that changes which collectives run must agree across ranks.
         settings = {
             "bucket_cap_mb": bucket_cap_mb,
@@ -117,19 +120,19 @@ class DistributedDataParallel(nn.Module):
         self._require_sync = True
         self._first_batch_checked = False
         self._replicas_checked_at = 0
-        self._join_protocol: JoinProtocol | None = None  # created by the first join()
+        self._join_protocol = JoinProtocol(self._deadline)
         self._joining = False
 
     def _make_replicas_equal(self, settings: dict[str, Any]) -> None:
         """Check that every rank holds the same model and settings, then copy rank 0's state."""
         named_params = list(self.module.named_parameters())
         named_buffers = list(self.module.named_buffers())
-        check_same_model(describe(named_params, named_buffers), settings, self.process_group)
+        check_same_model(describe(named_params, named_buffers), settings, self._deadline)
         broadcast_from(
             [p.data for _, p in named_params] + [b for _, b in named_buffers],
-            self.process_group,
-            timeout=self.timeout,
-            what="the initial broadcast of rank 0's parameters and buffers",
+            self._deadline,
+            0,
+            "the initial broadcast of rank 0's parameters and buffers",
         )
         self._buffers_to_sync = [b for _, b in named_buffers]
 
@@ -140,53 +143,66 @@ class DistributedDataParallel(nn.Module):
         **options: bool,
     ) -> Reducer:
         """Plan the buckets of the trainable parameters and hook them up."""
+        watch = ParameterWatch(self.module)
         # named_parameters() already yields a tied parameter once, so it is reduced once.
-        trainable = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
+        trainable = [p for _, p in watch.named if p.requires_grad]
         self.bucket_specs: list[BucketSpec] = plan_buckets(
-            [(p.numel(), p.dtype) for _, p in trainable],
+            [(p.numel(), p.dtype) for p in trainable],
             cap_to_bytes(bucket_cap_mb),
             cap_to_bytes(first_bucket_cap_mb),
         )
-        device = trainable[0][1].device if trainable else torch.device("cpu")
+        device = trainable[0].device if trainable else torch.device("cpu")
+        group = self._deadline.group
         return Reducer(
-            trainable,
+            watch,
             self.bucket_specs,
-            process_group=self.process_group,
-            comm_hook=AllReduceHook(self.algorithm, self.process_group),
-            reduction=Reduction(self.reduction, self.process_group, device),
-            timeout=self.timeout,
+            deadline=self._deadline,
+            comm_hook=AllReduceHook(self.algorithm, group),
+            reduction=Reduction(self.reduction, group, device),
             **options,
         )
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():
             return self.module(*args, **kwargs)  # no_grad: nothing to synchronise
-        # Collectives only in training mode: an eval-mode forward, even with grad enabled, may
-        # run on rank 0 alone and must not wait for the others.
-        num_active = None  # every rank, unless some have joined
-        if self.module.training:
-            broadcast = self.broadcast_buffers and bool(self._buffers_to_sync)
-            if self._joining:
-                assert self._join_protocol is not None
-                num_active, _, _ = self._join_protocol.handshake(
-                    True, self._require_sync, broadcast
-                )
-            if not self._first_batch_checked:
-                self._first_batch_checked = True
-                warn_if_same_batch((args, kwargs), self.process_group)
-            steps = self.reducer.num_reductions
-            every = self.check_replicas_every
-            if every and steps and steps % every == 0 and self._replicas_checked_at != steps:
-                self._replicas_checked_at = steps
-                self.check_replicas()
-            if broadcast:
-                self._broadcast_buffers()
-        self.reducer.prepare_for_backward(sync=self._require_sync, num_active=num_active)
+        try:
+            self.reducer.check_forward_allowed()
+            # Collectives only in training mode: an eval-mode forward, even with grad enabled,
+            # may run on rank 0 alone and must not wait for the others.
+            training = self.module.training
+            num_active = self._before_training_forward(args, kwargs) if training else None
+            self.reducer.prepare_for_backward(self._require_sync, training, num_active)
+        except GradsyncError as exc:
+            self._deadline.record_error(exc)  # so that the peers' timeout can name it
+            raise
         return self.module(*args, **kwargs)
+
+    def _before_training_forward(self, args: Any, kwargs: Any) -> int | None:
+        """The collectives a training forward starts with, the same on every rank; returns the
+        number of ranks that still have data inside ``join()`` (``None``: all)."""
+        steps = self.reducer.num_reductions
+        broadcast = self.broadcast_buffers and bool(self._buffers_to_sync)
+        every = self.check_replicas_every
+        check_due = every and steps and steps % every == 0 and self._replicas_checked_at != steps
+        if not (broadcast or self._joining or check_due or not self._first_batch_checked):
+            return None  # no collective before this forward
+        self._deadline.begin(f"a training forward of step {steps}")
+        num_active = None
+        if self._joining:
+            num_active, _, _ = self._join_protocol.handshake(True, self._require_sync, broadcast)
+        if not self._first_batch_checked:
+            self._first_batch_checked = True
+            warn_if_same_batch((args, kwargs), self._deadline)
+        if check_due:
+            self._replicas_checked_at = steps
+            self.check_replicas()
+        if broadcast:
+            self._broadcast_buffers()
+        return num_active
 
     def _broadcast_buffers(self, src: int = 0) -> None:
         what = f"the broadcast of rank {src}'s buffers before a training forward"
-        broadcast_from(self._buffers_to_sync, self.process_group, src, self.timeout, what)
+        broadcast_from(self._buffers_to_sync, self._deadline, src, what)
 
     def count_items(self, num_items: float) -> None:
         """Declare how many items (samples, valid tokens) this micro-batch's summed loss covers.
@@ -207,7 +223,7 @@ class DistributedDataParallel(nn.Module):
         named: list[tuple[str, torch.Tensor]] = list(self.module.named_parameters())
         if not self.broadcast_buffers:
             named += list(self.module.named_buffers())
-        check_replicas(named, self.process_group, self.timeout)
+        check_replicas(named, self._deadline)
 
     @contextmanager
     def join(self, optimizer: torch.optim.Optimizer) -> Iterator[None]:
@@ -221,9 +237,6 @@ class DistributedDataParallel(nn.Module):
         ``optimizer.step()`` (gradient clipping, LR schedulers) does not run on waiting ranks:
         ``check_replicas()`` after the loop tells whether that mattered.
         """
-        if self._join_protocol is None:  # a collective: every rank enters join() together
-            device = self.reducer.params[0].device if self.reducer.params else torch.device("cpu")
-            self._join_protocol = JoinProtocol(self.process_group, device, self.timeout)
         protocol = self._join_protocol
         protocol.rounds_active = 0
         self._joining = True
@@ -233,22 +246,12 @@ class DistributedDataParallel(nn.Module):
             self._joining = False  # on an error, leave without waiting for the others
             raise
         try:
-            while True:
-                num_active, syncing, broadcasting = protocol.handshake(False, False, False)
-                if num_active == 0:
-                    break
-                if broadcasting:
-                    self._broadcast_buffers()
-                if syncing:
-                    optimizer.zero_grad()
-                    self.reducer.shadow_backward(num_active, write_back=True)
-                    optimizer.step()
+            protocol.serve_until_done(self.reducer, optimizer, self._broadcast_buffers)
             src = protocol.authoritative_rank()
             broadcast_from(
                 [p.data for p in self.module.parameters()] + self._buffers_to_sync,
-                self.process_group,
+                self._deadline,
                 src,
-                self.timeout,
                 f"the final broadcast of rank {src}'s state at the end of join()",
             )
         finally:
@@ -285,6 +288,20 @@ class DistributedDataParallel(nn.Module):
         self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
     ) -> Any:
         return self.module.load_state_dict(strip_prefixes(state_dict), strict=strict, assign=assign)
+
+
+def _check_can_wrap(module: nn.Module) -> None:
+    """Refuse, before any collective, what cannot be wrapped."""
+    if not dist.is_initialized():
+        raise ProtocolError(
+            "torch.distributed is not initialised; call "
+            "dist.init_process_group(...) (torchrun sets up its environment) first"
+        )
+    if isinstance(module, DistributedDataParallel):
+        raise UsageError(
+            "this module is already a gradsync.DistributedDataParallel; wrap the plain "
+            "module once (to re-wrap after changing it, pass wrapper.module)"
+        )
 
 
 def strip_prefixes(state_dict: Mapping[str, Any]) -> dict[str, Any]:

@@ -1,0 +1,101 @@
+"""The verdicts after each reduction: desynchronised ranks, a changed parameter set, missing
+item counts, diverged replicas, parameters without gradients, NaN/Inf gradients.
+
+Each check decides from data every rank holds identically after the bucket sums (step tags,
+used flags and finite flags travel inside the buckets), so every rank reaches the same verdict
+and raises the same error. Only then, to name *what* each rank held, do the ranks exchange
+their local lists in one gather under the deadline: every rank is known to reach it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from gradsync.ddp.deadline import Deadline
+from gradsync.ddp.diagnostics import check_replicas
+from gradsync.ddp.param_watch import ParameterWatch
+from gradsync.ddp.step_tags import (
+    NO_ITEMS,
+    PARAMS_CHANGED,
+    StepTag,
+    find_desync,
+    ranks_with_flag,
+    updates_differ,
+)
+from gradsync.errors import (
+    DesyncError,
+    NonFiniteGradientError,
+    ParametersChangedError,
+    ProtocolError,
+    UnusedParametersError,
+)
+
+
+def _per_rank_lines(mine: list[str], deadline: Deadline, what: str) -> str:
+    per_rank = deadline.gather_objects(mine, what)
+    return "\n".join(f"  rank {r}: {names}" for r, names in enumerate(per_rank) if names)
+
+
+def check_tags(
+    tags: list[StepTag | None],
+    deadline: Deadline,
+    my_steps: int,
+    watch: ParameterWatch,
+    my_changes: list[str],
+) -> None:
+    """Raise on every rank if the step tags show desynchronised ranks, a changed parameter set
+    or a missing item count; confirm a difference in parameter updates with checksums."""
+    desync = find_desync(tags, my_steps)
+    if desync is not None:
+        raise DesyncError(f"{desync} (seen from rank {deadline.rank})")
+    if ranks_with_flag(tags, PARAMS_CHANGED):
+        lines = _per_rank_lines(my_changes, deadline, "the report of changed parameters")
+        raise ParametersChangedError(
+            "the module's parameters changed after it was wrapped, so buckets and hooks no "
+            f"longer match them (seen from rank {deadline.rank}):\n{lines}\nGradients of this "
+            "step were not applied. Make such changes before wrapping, or wrap again after "
+            "them on every rank: model = gradsync.DistributedDataParallel(model.module, ...)."
+        )
+    missing = ranks_with_flag(tags, NO_ITEMS)
+    if missing:
+        raise ProtocolError(
+            f"reduction='item_mean', but rank(s) {missing} contributed gradients without "
+            "calling count_items() in this accumulation window, so the divisor would miss "
+            "their items. Call model.count_items(n) for every micro-batch on every rank "
+            "(n may be 0)."
+        )
+    if updates_differ(tags):
+        # Evidence only (see param_watch.py): confirm with exact checksums before raising.
+        hint = (
+            "Ranks also differ in how many in-place updates their parameters received since "
+            "wrapping: look for an extra optimizer.step() or a rank-specific update."
+        )
+        check_replicas(list(zip(watch.names, watch.params, strict=True)), deadline, hint)
+        watch.rebase()
+
+
+def raise_if_unused(missing: Sequence[str], unused_here: list[str], deadline: Deadline) -> None:
+    """Raise :class:`UnusedParametersError` on every rank if ``missing`` (the parameters used
+    on fewer ranks than contributed, the same list on every rank) is not empty."""
+    if not missing:
+        return
+    lines = _per_rank_lines(unused_here, deadline, "the report of unused parameters")
+    raise UnusedParametersError(
+        "these parameters received no gradient in this backward pass "
+        f"(find_unused_parameters=False), seen from rank {deadline.rank}:\n{lines}\n"
+        "Make every parameter take part in the loss on every rank, freeze the ones you do "
+        "not train (requires_grad=False, before wrapping), or pass find_unused_parameters=True "
+        "to count a missing gradient as zero."
+    )
+
+
+def raise_nonfinite(bad_buckets: list[int], nonfinite_here: list[str], deadline: Deadline) -> None:
+    """Raise :class:`NonFiniteGradientError` on every rank; NaN/Inf survive the sum, so every
+    rank sees the same ``bad_buckets`` and arrives here."""
+    lines = _per_rank_lines(nonfinite_here, deadline, "the report of NaN/Inf gradients")
+    raise NonFiniteGradientError(
+        f"NaN/Inf gradients in bucket(s) {bad_buckets} (seen from rank {deadline.rank}); "
+        f"before communication they were in:\n{lines}\nParameters are unchanged. Every rank "
+        "raised this error, so catching it on every rank and calling optimizer.zero_grad() "
+        "skips the step consistently."
+    )

@@ -1,0 +1,93 @@
+"""Where each rank is in its training loop, carried in the first bucket of every step.
+
+[Note: step tags]
+Backends match collectives by issue order only. If one rank skips a backward, runs one forward
+under ``no_sync()`` that the others run synchronised, or runs an extra training forward, its
+step k+1 is summed with the others' step k: gradients of different steps mix and nothing
+complains until, maybe, a hang many steps later. So every rank writes a *step tag* into its own
+slots of the first bucket: how many synchronised steps it has completed, how many training
+forwards (and how many of them under ``no_sync``) it ran in this accumulation window, how many
+in-place updates its parameters have seen since wrapping, and flags for "my parameter set
+changed since wrapping" and "I never declared items" (``item_mean``). Every other rank writes
+zeros there, so after the sum each rank reads every rank's tag exactly, at no extra collective,
+and all ranks reach the same verdict at the step where things went wrong.
+
+Values are kept below 128 (modulo) and stored plus one, so zero means "no tag" (a rank that has
+joined and answers with zeros) and every value is exact in any bucket dtype, bfloat16 included.
+A communication hook must carry these slots losslessly (see [Note: the bucket communication
+seam]).
+"""
+
+from __future__ import annotations
+
+from dataclasses import astuple, dataclass
+
+MODULUS = 128
+NUM_FIELDS = 5
+PARAMS_CHANGED = 1
+NO_ITEMS = 2
+
+
+@dataclass(frozen=True)
+class StepTag:
+    steps: int  # synchronised backwards this rank has completed
+    forwards: int  # training forwards in this accumulation window, the synchronised one too
+    no_sync: int  # of which under no_sync()
+    updates: int  # in-place updates of the parameters since wrapping
+    flags: int  # PARAMS_CHANGED | NO_ITEMS
+
+    def encode(self) -> list[float]:
+        return [float(v % MODULUS + 1) for v in astuple(self)]
+
+
+def decode(values: list[float], world_size: int) -> list[StepTag | None]:
+    """Every rank's tag from the summed slots (``None``: the rank sent none, it has joined)."""
+    tags: list[StepTag | None] = []
+    for r in range(world_size):
+        raw = [int(v) for v in values[r * NUM_FIELDS : (r + 1) * NUM_FIELDS]]
+        tags.append(None if not any(raw) else StepTag(*(v - 1 for v in raw)))
+    return tags
+
+
+def _unwrap(value: int, near: int) -> int:
+    """The integer congruent to ``value`` modulo MODULUS that is closest to ``near``."""
+    delta = (value - near) % MODULUS
+    return near + (delta - MODULUS if delta >= MODULUS // 2 else delta)
+
+
+def _position(tag: StepTag, my_steps: int) -> str:
+    step = _unwrap(tag.steps, my_steps)
+    plural = "s" if tag.forwards != 1 else ""
+    return (
+        f"step {step}, {tag.forwards} training forward{plural} since the last synchronised "
+        f"backward ({tag.no_sync} under no_sync())"
+    )
+
+
+def find_desync(tags: list[StepTag | None], my_steps: int) -> str | None:
+    """A message naming the ranks whose position differs from the majority's, or ``None``."""
+    positions: dict[StepTag, list[int]] = {}
+    for r, tag in enumerate(tags):
+        if tag is not None:
+            key = StepTag(tag.steps, tag.forwards, tag.no_sync, 0, 0)
+            positions.setdefault(key, []).append(r)
+    if len(positions) <= 1:
+        return None
+    groups = sorted(positions.items(), key=lambda kv: len(kv[1]), reverse=True)
+    lines = [f"  rank(s) {ranks}: {_position(tag, my_steps)}" for tag, ranks in groups]
+    return (
+        "ranks are at different points of their training loops, so this step would sum "
+        "gradients of different micro-batches:\n" + "\n".join(lines) + "\nEvery rank must run "
+        "the same sequence of training forwards and backwards: look for a rank that skipped a "
+        "backward (e.g. on a NaN loss; agree first with gradsync.any_rank), ran an extra "
+        "forward in training mode with grad enabled (use torch.no_grad() or eval()), or used "
+        "no_sync() for a different number of micro-batches."
+    )
+
+
+def ranks_with_flag(tags: list[StepTag | None], flag: int) -> list[int]:
+    return [r for r, tag in enumerate(tags) if tag is not None and tag.flags & flag]
+
+
+def updates_differ(tags: list[StepTag | None]) -> bool:
+    return len({tag.updates for tag in tags if tag is not None}) > 1

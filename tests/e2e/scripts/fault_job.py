@@ -1,0 +1,75 @@
+"""A tiny training job in which rank 1 misbehaves at step 3, as a user's job might.
+
+    torchrun --standalone --nproc-per-node 2 fault_job.py FAULT [--timeout S] [--marker M]
+
+FAULT is one of ``sigstop`` (rank 1 stops itself), ``sigkill`` (rank 1 kills itself),
+``exit`` (rank 1 exits with code 3), ``slow`` (rank 1 sleeps far past the deadline) and
+``eval`` (rank 1 switches to eval mode with BatchNorm while the others train). The job uses
+torch's default process-group timeout (30 minutes), as users' jobs do: only gradsync's
+``timeout`` may end it. Rank 0 prints ``ELAPSED <seconds>`` from the fault to its error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+import gradsync
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("fault", choices=("sigstop", "sigkill", "exit", "slow", "eval"))
+    parser.add_argument("--timeout", type=float, default=3.0)
+    parser.add_argument("--marker", default="", help="ignored: lets a test find its processes")
+    args = parser.parse_args()
+    dist.init_process_group("gloo")  # torch's default timeout: 30 minutes
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    # BatchNorm only where the fault needs it: without buffers, the collective left waiting is
+    # a gradient all-reduce (the hardest to walk away from), not a buffer broadcast.
+    norm = nn.BatchNorm1d(16) if args.fault == "eval" else nn.Identity()
+    model = nn.Sequential(nn.Linear(8, 16), norm, nn.Linear(16, 4))
+    ddp = gradsync.DistributedDataParallel(model, timeout=args.timeout)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    t_fault = time.monotonic()
+    try:
+        for step in range(10):
+            if step == 3:
+                t_fault = time.monotonic()
+                if rank == 1:
+                    misbehave(args.fault, ddp)
+            x, y = torch.randn(16, 8), torch.randint(0, 4, (16,))
+            opt.zero_grad()
+            F.cross_entropy(ddp(x), y).backward()
+            opt.step()
+    except gradsync.GradsyncError as exc:
+        print(f"RANK {rank} ELAPSED {time.monotonic() - t_fault:.1f}", flush=True)
+        print(f"RANK {rank} ERROR {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+        raise
+    print(f"RANK {rank} FINISHED", flush=True)
+
+
+def misbehave(fault: str, ddp: gradsync.DistributedDataParallel) -> None:
+    if fault == "sigstop":
+        os.kill(os.getpid(), signal.SIGSTOP)
+    elif fault == "sigkill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    elif fault == "exit":
+        os._exit(3)
+    elif fault == "slow":
+        time.sleep(600)
+    elif fault == "eval":
+        ddp.eval()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,77 @@
+"""A rank that dies, stops, stalls or trains in the wrong mode ends the whole torchrun job within
+gradsync's deadline, with the culprit named, and leaves no process behind.
+
+The job (``scripts/fault_job.py``) keeps torch's default process-group timeout of 30 minutes,
+as users' jobs do, so only gradsync's ``timeout=`` can end it in seconds.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).parent / "scripts" / "fault_job.py"
+DEADLINE = 3.0
+# Start-up (two interpreters importing torch) plus teardown on a loaded 2-core machine; the
+# point is "seconds, not torch's 30 minutes".
+SLACK = 25.0
+
+
+def run_job(fault: str, tmp_path: Path, *extra: str) -> tuple[subprocess.CompletedProcess, float]:
+    marker = tmp_path / f"job-{fault}"  # in every process's command line, to find leftovers
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+        *extra, str(SCRIPT), fault, "--timeout", str(DEADLINE), "--marker", str(marker),
+    ]  # fmt: skip
+    env = dict(os.environ, OMP_NUM_THREADS="1", TMPDIR=str(tmp_path))
+    t0 = time.monotonic()
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    elapsed = time.monotonic() - t0
+    leftovers = subprocess.run(["pgrep", "-f", str(marker)], capture_output=True, text=True)
+    assert leftovers.stdout.strip() == "", f"processes left behind: {leftovers.stdout}"
+    return proc, elapsed
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("fault", ["sigkill", "exit", "slow"])
+def test_a_dead_or_stalled_rank_ends_the_job_naming_it(fault: str, tmp_path: Path) -> None:
+    proc, elapsed = run_job(fault, tmp_path)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out
+    assert "RANK 0 ERROR CollectiveTimeoutError" in out, out
+    assert "rank 1: last seen" in out and "gradient reduction of step 2" in out, out
+    assert elapsed < DEADLINE + SLACK, (elapsed, out)
+
+
+@pytest.mark.timeout(150)
+def test_a_stopped_rank_ends_the_job_within_torchruns_kill_grace(tmp_path: Path) -> None:
+    # Rank 0 raises at the deadline and exits. A SIGSTOPped rank cannot act on torchrun's
+    # SIGTERM; torchrun 2.13 sends SIGKILL 30 s later on this path (its --shutdown-timeout is
+    # not used there), so the job ends at the deadline plus that fixed grace.
+    proc, elapsed = run_job("sigstop", tmp_path)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out
+    assert "RANK 0 ERROR CollectiveTimeoutError" in out and "rank 1: last seen" in out, out
+    gave_up = float(re.search(r"RANK 0 ELAPSED ([0-9.]+)", out).group(1))  # type: ignore[union-attr]
+    assert gave_up < DEADLINE + 5, out  # rank 0 itself gave up at the deadline
+    assert elapsed < DEADLINE + 30 + SLACK, (elapsed, out)
+
+
+@pytest.mark.timeout(150)
+def test_a_rank_left_in_eval_mode_fails_every_rank(tmp_path: Path) -> None:
+    # Rank 1 skips the buffer broadcast that a training forward starts with: the ranks wait in
+    # different collectives, and each names the other's operation.
+    proc, elapsed = run_job("eval", tmp_path)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out
+    for rank, other in ((0, 1), (1, 0)):
+        assert f"RANK {rank} ERROR CollectiveTimeoutError" in out, out
+        assert f"rank {other}: last seen" in out, out
+    assert "at the gradient reduction of step 3" in out and "training forward of step 3" in out
+    assert elapsed < DEADLINE + SLACK, (elapsed, out)
