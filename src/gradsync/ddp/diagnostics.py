@@ -112,6 +112,9 @@ def any_rank(
         if gradsync.any_rank(not torch.isfinite(loss).item()):
             optimizer.zero_grad()
             continue  # every rank skips together; parameters unchanged
+
+    One all-reduce on ``group`` under ``timeout`` (seconds or ``timedelta``): a rank that does
+    not call it makes the others raise ``CollectiveTimeoutError`` naming it.
     """
     deadline = Deadline(group, as_timedelta(timeout), ArrivalRecords(group, "any_rank"))
     deadline.begin("gradsync.any_rank")

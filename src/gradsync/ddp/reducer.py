@@ -275,7 +275,10 @@ class Reducer:
             self._wait_all()
             counts, finite, total_items, tags = self._read_results()
             if tags is not None:
-                check_tags(tags, self.deadline, self.num_reductions, self.watch, self.changes)
+                windows = not self.reduction.counts_items  # see step_tags.find_desync
+                check_tags(
+                    tags, self.deadline, self.num_reductions, self.watch, self.changes, windows
+                )
             if finite is not None and not all(finite):
                 bad = [b for b, ok in enumerate(finite) if not ok]
                 raise_nonfinite(bad, self._local_nonfinite, self.deadline)

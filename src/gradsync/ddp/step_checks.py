@@ -42,10 +42,11 @@ def check_tags(
     my_steps: int,
     watch: ParameterWatch,
     my_changes: list[str],
+    compare_windows: bool,
 ) -> None:
     """Raise on every rank if the step tags show desynchronised ranks, a changed parameter set
     or a missing item count; confirm a difference in parameter updates with checksums."""
-    desync = find_desync(tags, my_steps)
+    desync = find_desync(tags, my_steps, compare_windows)
     if desync is not None:
         raise DesyncError(f"{desync} (seen from rank {deadline.rank})")
     if ranks_with_flag(tags, PARAMS_CHANGED):

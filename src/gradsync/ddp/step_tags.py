@@ -64,12 +64,22 @@ def _position(tag: StepTag, my_steps: int) -> str:
     )
 
 
-def find_desync(tags: list[StepTag | None], my_steps: int) -> str | None:
-    """A message naming the ranks whose position differs from the majority's, or ``None``."""
+def find_desync(
+    tags: list[StepTag | None], my_steps: int, compare_windows: bool = True
+) -> str | None:
+    """A message naming the ranks whose position differs from the majority's, or ``None``.
+
+    ``compare_windows=False`` compares synchronised steps only: with ``item_mean`` ranks may
+    legitimately run different numbers of micro-batches per step (the item counts weight
+    them); with ``mean`` and ``sum`` every rank's window must hold the same number.
+    """
     positions: dict[StepTag, list[int]] = {}
     for r, tag in enumerate(tags):
         if tag is not None:
-            key = StepTag(tag.steps, tag.forwards, tag.no_sync, 0, 0)
+            if compare_windows:
+                key = StepTag(tag.steps, tag.forwards, tag.no_sync, 0, 0)
+            else:
+                key = StepTag(tag.steps, 0, 0, 0, 0)
             positions.setdefault(key, []).append(r)
     if len(positions) <= 1:
         return None
