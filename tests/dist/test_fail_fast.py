@@ -266,6 +266,7 @@ def _timed(fn) -> tuple[str | None, float]:  # type: ignore[no-untyped-def]
 
 def _faults(rank: int, world: int) -> dict:
     out: dict = {}
+    dist.barrier()  # start together: importing torch may skew the ranks by seconds under load
     # Construction: a rank that never gets there (here: late by 3 deadlines).
     if rank == CULPRIT:
         time.sleep(3 * DEADLINE)
