@@ -49,7 +49,8 @@ class ParameterWatch:
         self.named = list(module.named_parameters())
         self.trainable = [p.requires_grad for _, p in self.named]
         self._generation = _generation
-        self._walked_ids = [id(p) for _, p in self.named]
+        self._wrapped_ids = [id(p) for _, p in self.named]
+        self._walked_ids = self._wrapped_ids
         self._version_base = self.version_sum()
 
     def changes(self) -> list[str]:
@@ -62,7 +63,7 @@ class ParameterWatch:
         if _generation != self._generation:
             self._generation = _generation
             self._walked_ids = [id(p) for _, p in self.module.named_parameters()]
-        if self._walked_ids != [id(p) for _, p in self.named]:
+        if self._walked_ids != self._wrapped_ids:
             found += self._structural_changes()
         return found
 

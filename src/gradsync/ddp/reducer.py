@@ -35,7 +35,14 @@ from gradsync.ddp.deadline import Deadline
 from gradsync.ddp.param_watch import ParameterWatch
 from gradsync.ddp.reduction import Reduction
 from gradsync.ddp.step_checks import check_tags, raise_if_unused, raise_nonfinite
-from gradsync.ddp.step_tags import NO_ITEMS, NUM_FIELDS, PARAMS_CHANGED, StepTag, decode
+from gradsync.ddp.step_tags import (
+    NO_ITEMS,
+    NUM_FIELDS,
+    PARAMS_CHANGED,
+    StepTag,
+    TagSlots,
+    decode,
+)
 from gradsync.errors import GradsyncError, ProtocolError
 
 # id(parameter) -> the reducer whose hooks it carries. Wrapping parameters again retires the
@@ -107,6 +114,7 @@ class Reducer:
         self.window_forwards = 0  # training forwards in this window (see [Note: step tags])
         self.window_no_sync = 0
         self.changes: list[str] = []  # how the parameter set differs from wrapping time
+        self._tag_slots = TagSlots(self.buckets[0].tags, self.rank) if self.buckets else None
         self._local_nonfinite: list[str] = []
         self._hooks = self._take_over_parameters()
 
@@ -212,21 +220,16 @@ class Reducer:
         )
 
     def _write_tag(self, contributes: bool) -> None:
-        if not self.buckets:
+        if self._tag_slots is None:
             return
-        tags = self.buckets[0].tags
-        tags.zero_()
+        tag = None
         if contributes:
             flags = PARAMS_CHANGED * bool(self.changes) | NO_ITEMS * self.reduction.missing_count
+            updates = self.watch.updates_since_wrapping()
             tag = StepTag(
-                self.num_reductions,
-                self.window_forwards,
-                self.window_no_sync,
-                self.watch.updates_since_wrapping(),
-                flags,
+                self.num_reductions, self.window_forwards, self.window_no_sync, updates, flags
             )
-            mine = tags[self.rank * NUM_FIELDS : (self.rank + 1) * NUM_FIELDS]
-            mine.copy_(torch.tensor(tag.encode(), dtype=tags.dtype))
+        self._tag_slots.write(tag)
 
     def _launch_ready_buckets(self) -> None:
         # In index order only; see [Note: when a bucket fires].
@@ -283,7 +286,10 @@ class Reducer:
                 bad = [b for b, ok in enumerate(finite) if not ok]
                 raise_nonfinite(bad, self._local_nonfinite, self.deadline)
             if not self.find_unused_parameters:
-                self._raise_if_unused(counts)
+                specs = [b.spec for b in self.buckets]
+                raise_if_unused(
+                    specs, counts, self.names, self.used, self.num_active, self.deadline
+                )
             self.reduction.post_divide([b.grads for b in self.buckets], total_items)
             if write_back:
                 self._write_back(counts)
@@ -369,16 +375,6 @@ class Reducer:
             for i, ok in zip(bucket.spec.param_indices, finite, strict=True)
             if not ok
         ]
-
-    def _raise_if_unused(self, counts: list[list[float]]) -> None:
-        missing = [
-            self.names[i]
-            for bucket, bucket_counts in zip(self.buckets, counts, strict=True)
-            for i, c in zip(bucket.spec.param_indices, bucket_counts, strict=True)
-            if c < self.num_active
-        ]
-        unused_here = [self.names[i] for i in range(len(self.params)) if not self.used[i]]
-        raise_if_unused(missing, unused_here, self.deadline)
 
     def _write_back(self, counts: list[list[float]]) -> None:
         copy_dst: list[torch.Tensor] = []

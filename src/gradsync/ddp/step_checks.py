@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from gradsync.ddp.buckets import BucketSpec
 from gradsync.ddp.deadline import Deadline
 from gradsync.ddp.diagnostics import check_replicas
 from gradsync.ddp.param_watch import ParameterWatch
@@ -75,11 +76,25 @@ def check_tags(
         watch.rebase()
 
 
-def raise_if_unused(missing: Sequence[str], unused_here: list[str], deadline: Deadline) -> None:
-    """Raise :class:`UnusedParametersError` on every rank if ``missing`` (the parameters used
-    on fewer ranks than contributed, the same list on every rank) is not empty."""
+def raise_if_unused(
+    specs: Sequence[BucketSpec],
+    counts: list[list[float]],
+    names: list[str],
+    used: list[bool],
+    num_active: int,
+    deadline: Deadline,
+) -> None:
+    """Raise :class:`UnusedParametersError` on every rank if a parameter was used on fewer
+    ranks than contributed (``counts``: the summed used flags, the same on every rank)."""
+    missing = [
+        names[i]
+        for spec, bucket_counts in zip(specs, counts, strict=True)
+        for i, c in zip(spec.param_indices, bucket_counts, strict=True)
+        if c < num_active
+    ]
     if not missing:
         return
+    unused_here = [names[i] for i in range(len(names)) if not used[i]]
     lines = _per_rank_lines(unused_here, deadline, "the report of unused parameters")
     raise UnusedParametersError(
         "these parameters received no gradient in this backward pass "

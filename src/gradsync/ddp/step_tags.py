@@ -22,6 +22,8 @@ from __future__ import annotations
 
 from dataclasses import astuple, dataclass
 
+import torch
+
 MODULUS = 128
 NUM_FIELDS = 5
 PARAMS_CHANGED = 1
@@ -38,6 +40,24 @@ class StepTag:
 
     def encode(self) -> list[float]:
         return [float(v % MODULUS + 1) for v in astuple(self)]
+
+
+class TagSlots:
+    """Writes this rank's tag into its slots of the first bucket (the others' slots: zeros)."""
+
+    def __init__(self, tags: torch.Tensor, rank: int) -> None:
+        self.tags = tags
+        self.mine = tags[rank * NUM_FIELDS : (rank + 1) * NUM_FIELDS]
+        # To the device through a pinned buffer and a non-blocking copy: a plain host-to-device
+        # copy would wait for the GPU at the start of every backward.
+        self.staging = torch.empty(NUM_FIELDS, dtype=tags.dtype, pin_memory=tags.is_cuda)
+
+    def write(self, tag: StepTag | None) -> None:
+        """``None``: this rank has joined and contributes no tag."""
+        self.tags.zero_()
+        if tag is not None:
+            self.staging.copy_(torch.tensor(tag.encode()))
+            self.mine.copy_(self.staging, non_blocking=True)
 
 
 def decode(values: list[float], world_size: int) -> list[StepTag | None]:

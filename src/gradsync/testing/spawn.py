@@ -68,6 +68,10 @@ def _spawn_error(failures: list[RankFailure]) -> SpawnError:
     return err
 
 
+class _InitFailure(RuntimeError):
+    """``init_process_group`` failed: the rank never ran the test function."""
+
+
 def _rank_entry(
     rank: int,
     world_size: int,
@@ -82,13 +86,16 @@ def _rank_entry(
     try:
         if backend == "nccl":
             torch.cuda.set_device(rank % torch.cuda.device_count())
-        dist.init_process_group(
-            backend,
-            init_method=f"file://{init_file}",
-            rank=rank,
-            world_size=world_size,
-            timeout=timedelta(seconds=pg_timeout_s),
-        )
+        try:
+            dist.init_process_group(
+                backend,
+                init_method=f"file://{init_file}",
+                rank=rank,
+                world_size=world_size,
+                timeout=timedelta(seconds=pg_timeout_s),
+            )
+        except Exception as exc:
+            raise _InitFailure(f"{type(exc).__name__}: {exc}") from exc
         out = fn(rank, world_size, *args)
         # Serialised to bytes: tensors put on a torch queue are shared through the sending
         # process, which may have exited by the time the parent reads them.
@@ -215,6 +222,31 @@ def spawn(
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
+    run = (fn, world_size, args, pg_timeout_s, timeout_s, backend, teardown_grace_s)
+    outcomes = _attempt(*run)
+    failures = [v for ok, v in outcomes.values() if not ok]
+    if failures and all(f.exc_type == _InitFailure.__name__ for f in failures):
+        # gloo's connectFullMesh now and then loses a connection while a loaded 2-core machine
+        # starts many processes at once ("Connection closed by peer" inside
+        # init_process_group). No rank has run ``fn`` yet, so one fresh start cannot hide a
+        # fault of the code under test.
+        outcomes = _attempt(*run)
+        failures = [v for ok, v in outcomes.values() if not ok]
+    if failures and not return_failures:
+        raise _spawn_error(sorted(failures, key=lambda f: f.rank))
+    return [outcomes[r][1] for r in range(world_size)]
+
+
+def _attempt(
+    fn: Callable[..., Any],
+    world_size: int,
+    args: tuple[Any, ...],
+    pg_timeout_s: float,
+    timeout_s: float,
+    backend: str,
+    teardown_grace_s: float,
+) -> dict[int, tuple[bool, Any]]:
+    """One start of every rank: each rank's (ok, result or RankFailure)."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     # One thread per rank: on a 2-core machine oversubscription turns seconds into minutes.
@@ -232,12 +264,8 @@ def spawn(
         for p in procs:
             p.start()
         try:
-            outcomes = _collect(procs, results, timeout_s, teardown_grace_s)
+            return _collect(procs, results, timeout_s, teardown_grace_s)
         finally:
             for p in procs:  # only on an error in this process (Ctrl-C, a result that won't load)
                 if p.is_alive():
                     _kill(p)
-    failures = [v for ok, v in outcomes.values() if not ok]
-    if failures and not return_failures:
-        raise _spawn_error(sorted(failures, key=lambda f: f.rank))
-    return [outcomes[r][1] for r in range(world_size)]
