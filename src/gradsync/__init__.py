@@ -4,6 +4,7 @@ from gradsync.ddp.diagnostics import any_rank
 from gradsync.ddp.naive import average_gradients
 from gradsync.ddp.wrapper import DistributedDataParallel
 from gradsync.errors import (
+    CheckpointError,
     CollectiveTimeoutError,
     DesyncError,
     GradsyncError,
@@ -19,6 +20,7 @@ from gradsync.errors import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "CheckpointError",
     "CollectiveTimeoutError",
     "DesyncError",
     "DistributedDataParallel",

@@ -60,6 +60,11 @@ class ParametersChangedError(GradsyncError, RuntimeError):
     parameter or submodule replaced or added): buckets and hooks no longer match it."""
 
 
+class CheckpointError(GradsyncError, RuntimeError):
+    """A checkpoint cannot be loaded as it is: truncated, corrupted (a checksum differs), a file
+    missing, or saved from a different model or world size; the message names the file."""
+
+
 # -- the harnesses: local ranks and the simulated cluster ---------------------------------------
 class SpawnError(GradsyncError, RuntimeError):
     """One or more ranks started by :func:`gradsync.testing.spawn.spawn` failed."""
@@ -78,6 +83,7 @@ class LaunchError(GradsyncError, RuntimeError):
 
 
 __all__ = [
+    "CheckpointError",
     "ClusterError",
     "CollectiveTimeoutError",
     "DesyncError",

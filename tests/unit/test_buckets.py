@@ -80,3 +80,14 @@ def test_first_bucket_cap_starts_communication_sooner() -> None:
     # Without a positive cap there is no first bucket to close early.
     assert members(plan_buckets([(10, F32)] * 3, None, first_cap_bytes=50)) == [[2, 1, 0]]
     assert members(plan_buckets([(10, F32)] * 3, 0, first_cap_bytes=50)) == [[2], [1], [0]]
+
+
+def test_strip_prefixes_keeps_a_models_own_module_prefix() -> None:
+    # The model's only child is called `module`: its own keys start with "module.".
+    own = {"module.weight", "module.bias"}
+    mine = {k: 0 for k in own}
+    assert strip_prefixes(mine, own) == mine
+    assert strip_prefixes({f"module.{k}": 0 for k in own}, own) == mine  # saved from torch DDP
+    assert strip_prefixes({f"_orig_mod.{k}": 0 for k in own}, own) == mine  # torch.compile
+    plain = {"weight": 0, "bias": 0}
+    assert strip_prefixes({f"module.{k}": 0 for k in plain}, plain.keys()) == plain

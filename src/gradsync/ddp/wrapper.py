@@ -7,7 +7,7 @@ Construction makes replicas equal (model check, rank 0 broadcast) and plans the 
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Collection, Iterator, Mapping
 from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
@@ -287,7 +287,10 @@ class DistributedDataParallel(nn.Module):
     def load_state_dict(
         self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
     ) -> Any:
-        return self.module.load_state_dict(strip_prefixes(state_dict), strict=strict, assign=assign)
+        own_keys = self.module.state_dict(keep_vars=True).keys()
+        return self.module.load_state_dict(
+            strip_prefixes(state_dict, own_keys), strict=strict, assign=assign
+        )
 
 
 def _check_can_wrap(module: nn.Module) -> None:
@@ -304,14 +307,25 @@ def _check_can_wrap(module: nn.Module) -> None:
         )
 
 
-def strip_prefixes(state_dict: Mapping[str, Any]) -> dict[str, Any]:
-    """Drop ``module.`` / ``_orig_mod.`` prefixes that every key carries."""
-    out = dict(state_dict)
-    changed = True
-    while changed and out:
-        changed = False
-        for prefix in _PREFIXES:
-            if all(k.startswith(prefix) for k in out):
-                out = {k[len(prefix) :]: v for k, v in out.items()}
-                changed = True
-    return out
+def strip_prefixes(
+    state_dict: Mapping[str, Any], own_keys: Collection[str] | None = None
+) -> dict[str, Any]:
+    """Drop the ``module.`` / ``_orig_mod.`` prefixes that wrapping added to every key.
+
+    A prefix is a wrapper's only if stripping it makes the keys match the module's own:
+    among the dict as given and each successively stripped version, the one sharing the most
+    keys with ``own_keys`` wins (the least stripped on a tie). So a model whose own child is
+    called ``module`` keeps its real ``module.`` prefix, while ``module.module.`` from wrapping
+    it in torch DDP loses one. Without ``own_keys``, every common prefix is stripped.
+    """
+    versions = [dict(state_dict)]
+    while versions[-1]:
+        keys = versions[-1]
+        prefix = next((p for p in _PREFIXES if all(k.startswith(p) for k in keys)), None)
+        if prefix is None:
+            break
+        versions.append({k[len(prefix) :]: v for k, v in keys.items()})
+    if own_keys is None:
+        return versions[-1]
+    own = set(own_keys)
+    return max(versions, key=lambda version: len(own.intersection(version)))
