@@ -38,11 +38,11 @@ _HINTS = {
 }
 
 
-def check_loadable(obj: Any, where: str, *, any_tensor: bool = False) -> None:
+def check_loadable(obj: Any, where: str, *, key: str = "obj", any_tensor: bool = False) -> None:
     """Raise :class:`~gradsync.errors.UsageError` naming the first value under ``obj`` that
     ``torch.load(..., weights_only=True)`` would refuse. ``where`` says what is being saved;
     ``any_tensor`` accepts tensor subclasses (DCP writes those itself, without pickling)."""
-    problem = find_unloadable(obj, any_tensor=any_tensor)
+    problem = find_unloadable(obj, key, any_tensor=any_tensor)
     if problem is not None:
         key, value = problem
         kind = f"{type(value).__module__}.{type(value).__qualname__}"
@@ -56,7 +56,7 @@ def check_loadable(obj: Any, where: str, *, any_tensor: bool = False) -> None:
 
 
 def find_unloadable(
-    obj: Any, key: str = "the object", *, any_tensor: bool = False
+    obj: Any, key: str = "obj", *, any_tensor: bool = False
 ) -> tuple[str, Any] | None:
     """``(key path, value)`` of the first value the safe loader refuses, or ``None``."""
     stack: list[tuple[str, Any]] = [(key, obj)]

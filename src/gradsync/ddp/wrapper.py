@@ -292,6 +292,33 @@ class DistributedDataParallel(nn.Module):
             strip_prefixes(state_dict, own_keys), strict=strict, assign=assign
         )
 
+    def sync_state_dict(self) -> dict[str, int]:
+        """gradsync's own training state, for a training checkpoint (``state_dict()`` stays
+        the module's): the synchronised step counter and the last replica check.
+
+        Raises ``ProtocolError`` between the forwards of an accumulation window or inside
+        ``join()``: gradients accumulated under ``no_sync()`` are not part of any checkpoint,
+        so a checkpoint taken there could not continue the step.
+        """
+        if self.reducer.window_forwards or self._joining:
+            where = "inside join()" if self._joining else "inside an accumulation window"
+            raise ProtocolError(
+                f"a checkpoint was requested {where}: the gradients accumulated so far would "
+                "be lost; save after optimizer.step(), outside join()"
+            )
+        return {
+            "num_reductions": self.reducer.num_reductions,
+            "replicas_checked_at": self._replicas_checked_at,
+        }
+
+    def load_sync_state_dict(self, state: Mapping[str, int]) -> None:
+        """Continue the step counter from a checkpoint (see :meth:`sync_state_dict`)."""
+        self.sync_state_dict()  # the same refusal
+        self.reducer.num_reductions = int(state["num_reductions"])
+        self._replicas_checked_at = int(state["replicas_checked_at"])
+        # Loading wrote into the parameters in place on every rank alike: not a desync.
+        self.reducer.watch.rebase()
+
 
 def _check_can_wrap(module: nn.Module) -> None:
     """Refuse, before any collective, what cannot be wrapped."""

@@ -1,0 +1,113 @@
+"""What a training checkpoint holds, and how it goes back into the live objects.
+
+model         the unwrapped module's state_dict (replicated: DCP writes it once, spread
+              over the ranks, and reshards it on load)
+optimizer     torch.distributed.checkpoint.state_dict's optimizer state, keyed by
+              parameter name (the form sharded optimizers and DTensor states take too)
+lr_scheduler  the scheduler's state_dict
+gradsync      the wrapper's sync_state_dict(): step counter, last replica check
+rank.<r>      what belongs to rank r alone: its RNG states and its sampler position
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict import (
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
+
+from gradsync.checkpoint.rng import get_rng_state, set_rng_state
+from gradsync.ddp.wrapper import DistributedDataParallel
+
+
+@dataclass
+class TrainingObjects:
+    """The live objects whose state a training checkpoint saves and restores."""
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer | None = None
+    lr_scheduler: Any = None
+    sampler: Any = None  # anything with state_dict() / load_state_dict()
+
+    @property
+    def module(self) -> nn.Module:
+        model = self.model
+        return model.module if isinstance(model, DistributedDataParallel) else model
+
+    def state_dict(self, rank: int) -> dict[str, Any]:
+        """The state to save (live tensors: :func:`snapshot` copies them)."""
+        state: dict[str, Any] = {"model": self.module.state_dict()}
+        if self.optimizer is not None:
+            state["optimizer"] = get_optimizer_state_dict(self.module, self.optimizer)
+        if self.lr_scheduler is not None:
+            state["lr_scheduler"] = self.lr_scheduler.state_dict()
+        if isinstance(self.model, DistributedDataParallel):
+            state["gradsync"] = self.model.sync_state_dict()
+        mine: dict[str, Any] = {"rng": get_rng_state()}
+        if self.sampler is not None:
+            mine["sampler"] = self.sampler.state_dict()
+        state["rank"] = {str(rank): mine}
+        return state
+
+    def load_state_dict(self, state: dict[str, Any], rank: int, where: str) -> None:
+        """Put a loaded state back, RNG last (see ``DistributedSampler.call_on_resume``)."""
+        self.module.load_state_dict(state["model"])
+        if self.optimizer is not None:
+            set_optimizer_state_dict(self.module, self.optimizer, state["optimizer"])
+        if self.lr_scheduler is not None:
+            self.lr_scheduler.load_state_dict(state["lr_scheduler"])
+        if isinstance(self.model, DistributedDataParallel):
+            self.model.load_sync_state_dict(state["gradsync"])
+        mine = state["rank"][str(rank)]
+        rng = mine["rng"]
+        if self.sampler is not None:
+            self.sampler.load_state_dict(mine["sampler"])
+            if hasattr(self.sampler, "call_on_resume"):
+                self.sampler.call_on_resume(lambda: set_rng_state(rng, where))
+        set_rng_state(rng, where)
+
+
+def snapshot(obj: Any) -> Any:
+    """A copy of ``obj`` whose tensors are fresh CPU copies: what an asynchronous save writes
+    while training goes on changing the originals in place."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return type(obj)((k, snapshot(v)) for k, v in obj.items())
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(snapshot(v) for v in obj)
+    return copy.deepcopy(obj)
+
+
+def mismatches(template: dict[str, Any], metadata: Metadata) -> list[str]:
+    """How the checkpoint's contents differ from what the live objects need (different model,
+    optimizer or settings), one line per key, at most a dozen."""
+    flat, _ = flatten_state_dict(template)
+    saved = metadata.state_dict_metadata
+    lines = []
+    for key, value in flat.items():
+        meta = saved.get(key)
+        if meta is None:
+            lines.append(f"'{key}' is not in the checkpoint")
+        elif isinstance(value, torch.Tensor):
+            if not isinstance(meta, TensorStorageMetadata):
+                lines.append(f"'{key}' is not a tensor in the checkpoint")
+            elif tuple(meta.size) != tuple(value.shape) or meta.properties.dtype != value.dtype:
+                lines.append(
+                    f"'{key}': checkpoint has {tuple(meta.size)} {meta.properties.dtype}, "
+                    f"the live tensor is {tuple(value.shape)} {value.dtype}"
+                )
+    lines += [f"'{k}' is in the checkpoint, not in the model" for k in saved if _extra(k, flat)]
+    return lines[:12] + ([f"... {len(lines) - 12} more"] if len(lines) > 12 else [])
+
+
+def _extra(key: str, flat: dict[str, Any]) -> bool:
+    return key.startswith("model.") and key not in flat

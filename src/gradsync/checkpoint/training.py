@@ -1,0 +1,237 @@
+"""``Checkpointer``: save and load everything a data-parallel job needs to continue exactly.
+
+One call saves the model, optimizer, LR scheduler, gradsync's step counter, each rank's data
+position and each rank's RNG states with ``torch.distributed.checkpoint`` (DCP: every rank
+writes its part in parallel, replicated tensors once); one call loads the newest checkpoint
+that is complete and verifies, naming and skipping the others. The folder layout, the commit
+and the checksums are in ``folder.py``; what is saved is in ``state.py``.
+
+Collectives run on a gloo group of the checkpointer's own, under its own deadline: an
+asynchronous save's collectives, on a background thread, then never interleave with the
+training loop's, and a rank that died mid-save fails the others instead of hanging them.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import warnings
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+
+from gradsync.checkpoint.dcp_safe import SafeFileSystemReader, SafeLoadPlanner
+from gradsync.checkpoint.folder import (
+    CheckpointFolder,
+    check_files,
+    digest,
+    my_share,
+    read_manifest,
+)
+from gradsync.checkpoint.loadable import check_loadable
+from gradsync.checkpoint.state import TrainingObjects, mismatches, snapshot
+from gradsync.errors import CheckpointError, ProtocolError, UsageError
+
+
+class Checkpointer:
+    """Training checkpoints in ``folder``: ``save(step)``, ``async_save(step)``, ``load()``.
+
+    Construct it on every rank (it creates a process group). Args:
+        folder: one folder per job (shared by all ranks), holding ``step_N`` sub-folders.
+        model: the model, usually a ``gradsync.DistributedDataParallel``.
+        optimizer, lr_scheduler: optional; saved and restored when given.
+        sampler: optional ``gradsync.data.DistributedSampler`` (anything with
+            ``state_dict()``/``load_state_dict()``): each rank's data position.
+        keep: how many committed checkpoints to keep (``None``: all).
+        timeout: deadline of each checkpoint collective.
+
+    Partial folders of saves that never committed (a job killed mid-save) are removed here.
+    """
+
+    def __init__(
+        self,
+        folder: str | os.PathLike[str],
+        *,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        lr_scheduler: Any = None,
+        sampler: Any = None,
+        keep: int | None = 3,
+        timeout: float | timedelta = 600.0,
+    ) -> None:
+        if not dist.is_initialized():
+            raise ProtocolError("Checkpointer needs torch.distributed initialised first")
+        if keep is not None and keep < 1:
+            raise UsageError(f"keep must be >= 1 or None, got {keep}")
+        self.folder = CheckpointFolder(folder)
+        self.objects = TrainingObjects(model, optimizer, lr_scheduler, sampler)
+        self.keep = keep
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        if not isinstance(timeout, timedelta):
+            timeout = timedelta(seconds=timeout)
+        self._group = dist.new_group(backend="gloo", timeout=timeout)
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        if self.rank == 0:
+            for path in self.folder.remove_partials():
+                warnings.warn(
+                    f"gradsync: removed {path}: a checkpoint save that never committed "
+                    "(the job was stopped while writing it)",
+                    stacklevel=2,
+                )
+        dist.barrier(group=self._group)
+
+    # -- saving ---------------------------------------------------------------------------
+    def save(self, step: int) -> Path:
+        """Save the training state of ``step`` and return its folder once it is committed."""
+        self.wait()
+        state = self._checked_state(step)
+        return self._write(state, step)
+
+    def async_save(self, step: int) -> None:
+        """Copy the training state to CPU memory, then write it on a background thread.
+
+        Returns as soon as the copy is taken, so training may change the live tensors; the
+        stall is the copy. The next ``save``, ``async_save``, ``load`` or :meth:`wait` waits for
+        the write to commit and raises its error, if any, on every rank.
+        """
+        self.wait()
+        state = snapshot(self._checked_state(step))
+        self._thread = threading.Thread(
+            target=self._write_in_background, args=(state, step), name="gradsync-checkpoint"
+        )
+        self._thread.start()
+
+    def wait(self) -> None:
+        """Wait for an asynchronous save to commit; raise its error if it failed."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        error, self._error = self._error, None
+        if error is not None:
+            raise error
+
+    def _write_in_background(self, state: dict[str, Any], step: int) -> None:
+        try:
+            self._write(state, step)
+        except BaseException as exc:  # handed to the training thread by wait()
+            self._error = exc
+
+    def _checked_state(self, step: int) -> dict[str, Any]:
+        """The state to save, refused on every rank if any rank's could not be loaded back."""
+        if not isinstance(step, int) or step < 0:
+            raise UsageError(f"step must be a non-negative int, got {step!r}")
+        problem = None
+        try:
+            state = self.objects.state_dict(self.rank)
+            check_loadable(state, f"checkpoint of step {step}", key="state", any_tensor=True)
+        except (UsageError, ProtocolError) as exc:
+            problem = f"rank {self.rank}: {str(exc).removeprefix('gradsync: ')}"
+        problems: list[str | None] = [None] * self.world_size
+        dist.all_gather_object(problems, problem, group=self._group)
+        found = [p for p in problems if p]
+        if found:
+            raise UsageError("nothing was saved: " + "; ".join(found))
+        return state
+
+    def _write(self, state: dict[str, Any], step: int) -> Path:
+        partial = self.folder.partial_dir(step)
+        writer = dcp.FileSystemWriter(str(partial), single_file_per_rank=True, sync_files=True)
+        dcp.save(state, storage_writer=writer, process_group=self._group)
+        # Every rank has written its file and rank 0 the metadata: hash them in parallel.
+        names = [p.name for p in partial.iterdir()]
+        mine = {n: digest(partial / n) for n in my_share(names, self.rank, self.world_size)}
+        shares: list[dict[str, Any]] = [{}] * self.world_size
+        dist.all_gather_object(shares, mine, group=self._group)
+        outcome: list[Any] = [None]
+        if self.rank == 0:
+            outcome[0] = self._commit(partial, step, {k: v for s in shares for k, v in s.items()})
+        dist.broadcast_object_list(outcome, src=0, group=self._group)
+        if outcome[0].startswith("error: "):
+            raise CheckpointError(f"checkpoint of step {step} was not committed: {outcome[0]}")
+        return Path(outcome[0])
+
+    def _commit(self, partial: Path, step: int, files: dict[str, Any]) -> str:
+        try:
+            path = self.folder.commit(partial, step, self.world_size, files)
+            self.folder.rotate(self.keep)
+        except OSError as exc:
+            return f"error: {exc}"
+        return str(path)
+
+    # -- loading --------------------------------------------------------------------------
+    def load(self, path: str | os.PathLike[str] | None = None) -> int | None:
+        """Restore the newest committed checkpoint that verifies, or the one at ``path``.
+
+        Returns its step, or ``None`` when the folder holds no checkpoint (a fresh start).
+        A newest checkpoint that is corrupted (a checksum differs, a file is truncated or
+        missing) is skipped with a warning naming it and the problem, and the next older one
+        is tried; ``path`` is not: it raises :class:`~gradsync.errors.CheckpointError`. A
+        checkpoint of a different model or world size raises on every rank.
+        """
+        self.wait()
+        if path is not None:
+            problems = self._verify(Path(path))
+            if problems:
+                raise CheckpointError("\n".join(problems))
+            return self._load(Path(path))
+        entries: list[Any] = [self.folder.committed() if self.rank == 0 else None]
+        dist.broadcast_object_list(entries, src=0, group=self._group)
+        skipped: list[str] = []
+        for entry in entries[0]:
+            problems = self._verify(entry.path)
+            if not problems:
+                return self._load(entry.path)
+            skipped += problems
+            if self.rank == 0:
+                warnings.warn(
+                    f"gradsync: skipping checkpoint {entry.path}: " + "; ".join(problems),
+                    stacklevel=2,
+                )
+        if skipped:
+            raise CheckpointError(
+                f"no checkpoint in {self.folder.root} verifies:\n  " + "\n  ".join(skipped)
+            )
+        return None
+
+    def _verify(self, path: Path) -> list[str]:
+        """Every problem of checkpoint ``path``, the same list on every rank."""
+        try:
+            files = read_manifest(path)["files"]
+            problems = check_files(path, files, my_share(list(files), self.rank, self.world_size))
+        except ValueError as exc:
+            problems = [str(exc)]
+        gathered: list[list[str]] = [[] for _ in range(self.world_size)]
+        dist.all_gather_object(gathered, problems, group=self._group)
+        return sorted({p for ps in gathered for p in ps})
+
+    def _load(self, path: Path) -> int:
+        manifest = read_manifest(path)
+        if manifest["world_size"] != self.world_size:
+            raise CheckpointError(
+                f"{path} was saved by {manifest['world_size']} ranks, this job has "
+                f"{self.world_size}: each rank's RNG streams and data position belong to one "
+                "rank of the saving job, so training could not continue exactly; restart with "
+                f"{manifest['world_size']} ranks"
+            )
+        template = self.objects.state_dict(self.rank)
+        reader = SafeFileSystemReader(str(path))
+        problems = mismatches(template, reader.read_metadata())
+        gathered: list[list[str]] = [[] for _ in range(self.world_size)]
+        dist.all_gather_object(gathered, problems, group=self._group)
+        if any(gathered):
+            found = next(p for p in gathered if p)
+            raise CheckpointError(
+                f"{path} was saved from a different model, optimizer or settings:\n  "
+                + "\n  ".join(found)
+            )
+        dcp.load(
+            template, storage_reader=reader, planner=SafeLoadPlanner(), process_group=self._group
+        )
+        self.objects.load_state_dict(template, self.rank, str(path))
+        return int(manifest["step"])
