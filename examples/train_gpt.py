@@ -6,11 +6,17 @@ Launch (the README's first command runs the first line):
     torchrun --nnodes 2 --node-rank R --nproc-per-node 1 \\
         --master-addr HOST0 --master-port 29500 examples/train_gpt.py      # 2 nodes (R = 0, 1)
     python examples/train_gpt.py                                           # 1 process
+    torchrun --standalone --nproc-per-node 2 --max-restarts 3 examples/train_gpt.py  # restarts
 
 The global batch stays fixed whatever the world size: each rank takes ``global_batch / N``
 sequences, chosen by a ``DistributedSampler`` reshuffled every epoch with ``set_epoch``. At the
 end rank 0 retrains the same model in one process on the same global batches and prints the
 largest parameter difference: PASS means N-process training was the same computation.
+
+Every ``--save-every`` steps all ranks save the whole training state (model, optimizer, data
+position, RNG states) to ``OUT/checkpoints/step_N``; a restarted job (by ``torchrun
+--max-restarts``, or by hand) resumes from the newest complete one and ends bit-identical to a
+run that never stopped.
 """
 
 from __future__ import annotations
@@ -23,11 +29,12 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-from torch.utils.data import DataLoader, DistributedSampler
+from torch.utils.data import DataLoader
 from tqdm import tqdm
 
 import gradsync
-from gradsync.checkpoint import load_checkpoint, save_checkpoint
+from gradsync.checkpoint import Checkpointer, load_checkpoint, save_checkpoint
+from gradsync.data import DistributedSampler
 from gradsync.testing.corpus import CharDataset, generate_corpus
 from gradsync.testing.gpt import GPT, GPTConfig, lm_loss
 
@@ -41,7 +48,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--block-size", type=int, default=64)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--bucket-cap-mb", type=float, default=25.0)
-    p.add_argument("--out", default="runs/gpt", help="folder for the checkpoint")
+    p.add_argument("--out", default="runs/gpt", help="folder for the checkpoints")
+    p.add_argument("--save-every", type=int, default=25, help="checkpoint every N steps (0: never)")
+    p.add_argument("--keep", type=int, default=3, help="checkpoints to keep")
+    p.add_argument("--async-save", action="store_true", help="write checkpoints in the background")
+    p.add_argument(
+        "--no-resume", action="store_true", help="start from step 0 even if OUT has checkpoints"
+    )
     p.add_argument(
         "--dtype",
         choices=["float64", "float32"],
@@ -123,20 +136,27 @@ def main(argv: list[str] | None = None) -> int:
     ddp = gradsync.DistributedDataParallel(model, bucket_cap_mb=args.bucket_cap_mb)
     init_state = {k: v.clone() for k, v in ddp.state_dict().items()}
     opt = make_optimizer(ddp.parameters(), args.lr)
+    ckpt = Checkpointer(
+        os.path.join(args.out, "checkpoints"), model=ddp, optimizer=opt, sampler=sampler,
+        keep=args.keep, timeout=args.timeout_s,
+    )  # fmt: skip
+    step = 0 if args.no_resume else (ckpt.load() or 0)  # the newest complete checkpoint
     n_params = sum(p.numel() for p in model.parameters())
     if rank == 0:
         print(
             f"gradsync: {world} rank(s), {n_params / 1e6:.2f}M parameters, {ddp.num_buckets} "
             f"bucket(s), global batch {args.global_batch} x {args.block_size} tokens, "
-            f"{len(loader)} steps/epoch"
+            f"{len(loader)} steps/epoch" + (f"; resumed at step {step}" if step else "")
         )
 
-    step, t0 = 0, time.perf_counter()
+    t0 = time.perf_counter()
     total = args.epochs * len(loader) if not args.max_steps else args.max_steps
-    bar = tqdm(total=total, desc="train", disable=rank != 0)
-    for epoch in range(args.epochs):
+    bar = tqdm(total=total, initial=step, desc="train", disable=rank != 0)
+    for epoch in range(sampler.epoch, args.epochs):  # a resumed sampler knows its epoch
         sampler.set_epoch(epoch)  # a new shuffle every epoch, the same on every rank
-        for x, y in loader:
+        for x, y in loader:  # after a resume: the rest of the epoch
+            if step == total:
+                break
             opt.zero_grad()
             loss = lm_loss(ddp(x), y)
             loss.backward()  # gradients are averaged over ranks by the time this returns
@@ -147,22 +167,18 @@ def main(argv: list[str] | None = None) -> int:
                 dist.all_reduce(mean_loss)  # every rank calls it: no rank-0-only collective
                 bar.set_postfix(epoch=epoch, loss=f"{mean_loss.item() / world:.3f}")
             bar.update()
-            if step == total:
-                break
-        if rank == 0:
-            path = save_checkpoint(
-                {
-                    "model": ddp.state_dict(),
-                    "optimizer": opt.state_dict(),
-                    "epoch": epoch,
-                    "step": step,
-                },
-                os.path.join(args.out, "checkpoint.pt"),
-            )
+            if args.save_every and step % args.save_every == 0:
+                (ckpt.async_save if args.async_save else ckpt.save)(step)
         if step == total:
             break
+    ckpt.wait()  # an asynchronous save still being written
     bar.close()
     elapsed = time.perf_counter() - t0
+    if rank == 0:  # the trained model in one file, for use outside this job
+        path = save_checkpoint(
+            {"model": ddp.state_dict(), "optimizer": opt.state_dict(), "step": step},
+            os.path.join(args.out, "checkpoint.pt"),
+        )
 
     status = 0
     if rank == 0:

@@ -11,8 +11,8 @@ worker state have had resume bugs that repeat or drop samples.
 
 The count is what the DataLoader drew from the sampler. With ``num_workers=0`` (the default)
 that is exactly what the training loop consumed; with worker processes the loader reads
-``prefetch_factor * num_workers`` batches ahead, which a resume would skip, so
-``state_dict()`` must then be told what was consumed: ``state_dict(consumed=n)``.
+``prefetch_factor * num_workers`` batches ahead, which a resume would skip: there, set
+``sampler.position`` to the number of this rank's samples consumed in the epoch before saving.
 """
 
 from __future__ import annotations
@@ -51,11 +51,11 @@ class DistributedSampler(torch.utils.data.DistributedSampler):
             self.position += 1
             yield index
 
-    def state_dict(self, consumed: int | None = None) -> dict[str, int]:
-        """Epoch and position; ``consumed`` overrides the position (see the module docstring)."""
+    def state_dict(self) -> dict[str, int]:
+        """Epoch and position, and the settings a resumed sampler must share."""
         return {
             "epoch": self.epoch,
-            "position": self.position if consumed is None else consumed,
+            "position": self.position,
             "num_replicas": self.num_replicas,
             "rank": self.rank,
             "seed": self.seed,

@@ -20,6 +20,7 @@ def test_train_gpt_matches_single_process(tmp_path: Path) -> None:
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
         str(ROOT / "examples" / "train_gpt.py"),
         "--max-steps", "12", "--out", str(tmp_path / "run"), "--timeout-s", "60",
+        "--save-every", "6",
     ]  # fmt: skip
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=220)
     out = proc.stdout + proc.stderr
@@ -29,6 +30,8 @@ def test_train_gpt_matches_single_process(tmp_path: Path) -> None:
     assert state["step"] == 12
     assert "tok_emb.weight" in state["model"]  # keys of the unwrapped model, no "module."
     assert not any(k.startswith("module.") for k in state["model"])
+    saved = sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir())
+    assert saved == ["step_00000006", "step_00000012"], saved
 
 
 @pytest.mark.timeout(120)
