@@ -6,7 +6,8 @@ Launch (the README's first command runs the first line):
     torchrun --nnodes 2 --node-rank R --nproc-per-node 1 \\
         --master-addr HOST0 --master-port 29500 examples/train_gpt.py      # 2 nodes (R = 0, 1)
     python examples/train_gpt.py                                           # 1 process
-    torchrun --standalone --nproc-per-node 2 --max-restarts 3 examples/train_gpt.py  # restarts
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --standalone --nproc-per-node 2 \\
+        --max-restarts 3 examples/train_gpt.py                             # restarts when killed
 
 The global batch stays fixed whatever the world size: each rank takes ``global_batch / N``
 sequences, chosen by a ``DistributedSampler`` reshuffled every epoch with ``set_epoch``. At the

@@ -35,6 +35,7 @@ from gradsync.checkpoint.folder import (
 )
 from gradsync.checkpoint.loadable import check_loadable
 from gradsync.checkpoint.state import TrainingObjects, mismatches, snapshot
+from gradsync.elastic import check_restartable
 from gradsync.errors import CheckpointError, ProtocolError, UsageError
 
 
@@ -74,6 +75,7 @@ class Checkpointer:
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         if not isinstance(timeout, timedelta):
             timeout = timedelta(seconds=timeout)
+        check_restartable()
         self._group = dist.new_group(backend="gloo", timeout=timeout)
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
