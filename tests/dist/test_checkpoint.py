@@ -137,9 +137,9 @@ def _resume_equals_never_stopping(rank: int, world: int, root: Path) -> dict:
     job = Job(rank, world, str(root / "run"))
     out["fresh"] = job.resume()
     job.train(2)
-    job.ckpt.save(2)
+    job.ckpt.async_save(2)
     job.train(4)
-    job.ckpt.async_save(4)  # training goes on while it is written: the snapshot must hold
+    job.ckpt.async_save(4)  # refills step 2's copy; training goes on while it is written
     job.train(7)
     reference = job.tensors()
     job.ckpt.save(7)

@@ -16,6 +16,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from gradsync import CheckpointError
 from gradsync.checkpoint.dcp_safe import SafeFileSystemReader, SafeLoadPlanner
+from gradsync.checkpoint.folder import CheckpointFolder, check_files, digest, read_manifest
 from gradsync.checkpoint.rng import get_rng_state, set_rng_state
 from gradsync.data import DistributedSampler
 
@@ -77,3 +78,18 @@ def test_rng_states_round_trip() -> None:
     set_rng_state(torch.load(buf, weights_only=True), "test")  # tensors and plain values only
     after = (torch.rand(3), random.random(), np.random.rand())
     assert torch.equal(before[0], after[0]) and before[1:] == after[1:]
+
+
+def test_folder_commits_by_rename_and_keeps_the_newest(tmp_path: Path) -> None:
+    folder = CheckpointFolder(tmp_path)
+    for step in (1, 2, 3, 3):  # step 3 saved again (after resuming from an older one)
+        partial = folder.partial_dir(step)
+        partial.mkdir()
+        (partial / "data").write_bytes(b"x" * step)
+        folder.commit(partial, step, 1, {"data": digest(partial / "data")})
+    assert [e.step for e in folder.committed()] == [3, 2, 1]
+    assert (tmp_path / "step_00000003.replaced-0").is_dir()
+    folder.rotate(2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000002", "step_00000003"]
+    manifest = read_manifest(folder.step_dir(3))
+    assert check_files(folder.step_dir(3), manifest["files"], ["data"]) == []

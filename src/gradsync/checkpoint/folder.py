@@ -90,10 +90,12 @@ class CheckpointFolder:
         return target
 
     def rotate(self, keep: int | None) -> list[Path]:
-        """Delete committed checkpoints beyond the newest ``keep`` (``None``: keep all)."""
+        """Delete committed checkpoints beyond the newest ``keep`` (``None``: keep all), and
+        earlier saves of a step that was saved again after resuming from an older one."""
         if keep is None:
             return []
         old = [e.path for e in self.committed()[keep:]]
+        old += list(self.root.glob("step_*.replaced-*"))  # superseded by a newer commit
         for path in old:
             shutil.rmtree(path, ignore_errors=True)
         return old

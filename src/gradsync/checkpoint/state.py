@@ -75,15 +75,28 @@ class TrainingObjects:
         set_rng_state(rng, where)
 
 
-def snapshot(obj: Any) -> Any:
-    """A copy of ``obj`` whose tensors are fresh CPU copies: what an asynchronous save writes
-    while training goes on changing the originals in place."""
+def snapshot(obj: Any, reuse: Any = None) -> Any:
+    """A copy of ``obj`` whose tensors are CPU copies: what an asynchronous save writes while
+    training goes on changing the originals in place. Tensors of ``reuse`` (the previous
+    snapshot, already written) are copied into where shapes and dtypes match: refilling memory
+    costs a memcpy, allocating it fresh several times that (page faults), and the copy is the
+    training stall."""
     if isinstance(obj, torch.Tensor):
-        return obj.detach().to("cpu", copy=True)
+        source = obj.detach()
+        if (
+            type(obj) is torch.Tensor
+            and type(reuse) is torch.Tensor
+            and reuse.shape == obj.shape
+            and reuse.dtype == obj.dtype
+        ):
+            return reuse.copy_(source)
+        return source.to("cpu", copy=True)
     if isinstance(obj, dict):
-        return type(obj)((k, snapshot(v)) for k, v in obj.items())
+        old = reuse if isinstance(reuse, dict) else {}
+        return type(obj)((k, snapshot(v, old.get(k))) for k, v in obj.items())
     if isinstance(obj, (list, tuple)):
-        return type(obj)(snapshot(v) for v in obj)
+        same = isinstance(reuse, (list, tuple)) and len(reuse) == len(obj)
+        return type(obj)(snapshot(v, reuse[i] if same else None) for i, v in enumerate(obj))
     return copy.deepcopy(obj)
 
 

@@ -79,6 +79,7 @@ class Checkpointer:
         self._group = dist.new_group(backend="gloo", timeout=timeout)
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
+        self._staging: Any = None  # the last async snapshot, refilled by the next one
         if self.rank == 0:
             for path in self.folder.remove_partials():
                 warnings.warn(
@@ -99,11 +100,13 @@ class Checkpointer:
         """Copy the training state to CPU memory, then write it on a background thread.
 
         Returns as soon as the copy is taken, so training may change the live tensors; the
-        stall is the copy. The next ``save``, ``async_save``, ``load`` or :meth:`wait` waits for
-        the write to commit and raises its error, if any, on every rank.
+        stall is the copy. The copy's memory is kept and refilled by the next call. The next
+        ``save``, ``async_save``, ``load`` or :meth:`wait` waits for the write to commit and
+        raises its error, if any, on every rank.
         """
-        self.wait()
-        state = snapshot(self._checked_state(step))
+        self.wait()  # the previous snapshot is written: its memory can be refilled
+        state = snapshot(self._checked_state(step), reuse=self._staging)
+        self._staging = state
         self._thread = threading.Thread(
             target=self._write_in_background, args=(state, step), name="gradsync-checkpoint"
         )
