@@ -46,8 +46,7 @@ from gradsync.ddp.step_tags import (
 from gradsync.errors import GradsyncError, ProtocolError
 
 # id(parameter) -> the reducer whose hooks it carries. Wrapping parameters again retires the
-# old reducer (its hooks are removed), so a re-wrap after a change works and the old wrapper
-# says so if used, instead of failing with "no forward ran through the wrapper".
+# old reducer (removes its hooks): a re-wrap works, and the old wrapper says so if used.
 _OWNERS: dict[int, weakref.ref[Reducer]] = {}
 
 
@@ -63,8 +62,8 @@ class Reducer:
     """Owns the buckets, the hooks and the per-step state of gradient synchronisation.
 
     It is the only writer of its state: the wrapper tells it about each forward
-    (:meth:`prepare_for_backward`) and each rank that waits inside ``join()``
-    (:meth:`shadow_backward`); autograd hooks and the end-of-backward callback do the rest.
+    (:meth:`prepare_for_backward`) and each rank waiting in ``join()`` (:meth:`shadow_backward`);
+    autograd hooks and the end-of-backward callback do the rest.
     """
 
     def __init__(
@@ -129,6 +128,11 @@ class Reducer:
             p.register_post_accumulate_grad_hook(self._make_hook(i))
             for i, p in enumerate(self.params)
         ]
+
+    def resume_from(self, num_reductions: int) -> None:
+        """Continue the step count of a checkpoint whose parameters were loaded on every rank."""
+        self.num_reductions = num_reductions
+        self.watch.rebase()  # loading wrote the parameters in place on every rank alike
 
     def retire(self) -> None:
         """Remove this reducer's hooks: a newer wrapper of the same parameters replaces it."""

@@ -314,10 +314,8 @@ class DistributedDataParallel(nn.Module):
     def load_sync_state_dict(self, state: Mapping[str, int]) -> None:
         """Continue the step counter from a checkpoint (see :meth:`sync_state_dict`)."""
         self.sync_state_dict()  # the same refusal
-        self.reducer.num_reductions = int(state["num_reductions"])
+        self.reducer.resume_from(int(state["num_reductions"]))
         self._replicas_checked_at = int(state["replicas_checked_at"])
-        # Loading wrote into the parameters in place on every rank alike: not a desync.
-        self.reducer.watch.rebase()
 
 
 def _check_can_wrap(module: nn.Module) -> None:
