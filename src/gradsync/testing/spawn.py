@@ -10,6 +10,7 @@ destructor racing finalisation) fails the run like any other crash.
 
 from __future__ import annotations
 
+import gc
 import io
 import os
 import queue as queue_mod
@@ -106,8 +107,14 @@ def _rank_entry(
         failure = RankFailure(rank, type(exc).__name__, str(exc), traceback.format_exc())
         results.put((rank, False, failure))
     finally:
+        # Free every process group before the interpreter shuts down, so that no gloo worker
+        # thread is left to drop the last reference to a finished collective during
+        # finalization (std::terminate, pytorch#190489). Groups that only garbage still holds
+        # (a wrapper's private group, in a reference cycle with its hooks) go with collect().
+        gc.collect()
         if dist.is_initialized():
             dist.destroy_process_group()
+        gc.collect()
 
 
 def _exit_text(exitcode: int) -> str:
