@@ -35,7 +35,8 @@ from gradsync.checkpoint.folder import (
 )
 from gradsync.checkpoint.loadable import check_loadable
 from gradsync.checkpoint.state import TrainingObjects, mismatches, snapshot
-from gradsync.elastic import check_restartable
+from gradsync.ddp.deadline import as_timedelta
+from gradsync.ddp.group import private_group
 from gradsync.errors import CheckpointError, ProtocolError, UsageError
 
 
@@ -73,10 +74,7 @@ class Checkpointer:
         self.objects = TrainingObjects(model, optimizer, lr_scheduler, sampler)
         self.keep = keep
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
-        if not isinstance(timeout, timedelta):
-            timeout = timedelta(seconds=timeout)
-        check_restartable()
-        self._group = dist.new_group(backend="gloo", timeout=timeout)
+        self._group = private_group(None, as_timedelta(timeout), backend="gloo")
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._staging: Any = None  # the last async snapshot, refilled by the next one

@@ -20,8 +20,11 @@ import torch.distributed as dist
 from gradsync.elastic import check_restartable
 
 
-def private_group(group: dist.ProcessGroup | None, timeout: timedelta) -> dist.ProcessGroup:
-    """A new group of ``group``'s ranks whose backend timeout is ``timeout``.
+def private_group(
+    group: dist.ProcessGroup | None, timeout: timedelta, backend: str | None = None
+) -> dist.ProcessGroup:
+    """A new group of ``group``'s ranks whose backend timeout is ``timeout`` (and whose
+    backend is ``backend``, if given: the checkpointer's is gloo whatever training uses).
 
     A collective over ``group`` (``new_group`` is): every member must call it, in the same
     order relative to other group creations.
@@ -29,7 +32,9 @@ def private_group(group: dist.ProcessGroup | None, timeout: timedelta) -> dist.P
     check_restartable()  # after a torchrun restart new_group may connect to dead workers
     ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
     # new_group does not inherit the parent's timeout; pass ours explicitly.
-    new = dist.new_group(ranks, timeout=timeout, use_local_synchronization=group is not None)
+    new = dist.new_group(
+        ranks, timeout=timeout, backend=backend, use_local_synchronization=group is not None
+    )
     assert new is not None
     return new
 
