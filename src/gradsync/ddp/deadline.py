@@ -195,14 +195,3 @@ class Deadline:
     def _wait_collective(self, work: dist.Work | None, what: str) -> None:
         assert work is not None
         self.wait(work, what)
-
-
-def wait_or_raise(handle: Handle, timeout: timedelta | None, what: str, rank: int) -> None:
-    """Transitional: ``handle.wait(timeout)`` raising :class:`CollectiveTimeoutError`."""
-    try:
-        if timeout is None:
-            handle.wait()
-        else:
-            handle.wait(timeout=timeout)
-    except RuntimeError as exc:
-        raise CollectiveTimeoutError(f"rank {rank} gave up waiting for {what} ({exc})") from exc
