@@ -21,6 +21,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from gradsync.mesh.dtensors import GradLayout, local
+
 MB = 1024 * 1024  # bucket_cap_mb counts MiB, as in torch DDP
 
 
@@ -100,11 +102,22 @@ def plan_buckets(
 
 
 class Bucket:
-    """One flat buffer of gradients plus a used flag per parameter, and its fill state."""
+    """One flat buffer of gradients plus a used flag per parameter, and its fill state.
 
-    def __init__(self, spec: BucketSpec, params: Sequence[nn.Parameter], num_tags: int = 0) -> None:
+    A DTensor parameter (``layouts[slot]`` is its :class:`~gradsync.mesh.dtensors.GradLayout`)
+    occupies the size of its local shard, and gets its reduced gradient back as a DTensor.
+    """
+
+    def __init__(
+        self,
+        spec: BucketSpec,
+        params: Sequence[nn.Parameter],
+        num_tags: int = 0,
+        layouts: Sequence[GradLayout | None] | None = None,
+    ) -> None:
         self.spec = spec
         self.params = list(params)
+        self.layouts = list(layouts) if layouts is not None else [None] * len(self.params)
         device = self.params[0].device
         n_flags = len(params)
         self.buffer = torch.zeros(spec.numel + n_flags + num_tags, dtype=spec.dtype, device=device)
@@ -112,7 +125,7 @@ class Bucket:
         self.used_flags = self.buffer[spec.numel : spec.numel + n_flags]
         self.tags = self.buffer[spec.numel + n_flags :]  # see [Note: step tags]
         self.views = [
-            self.buffer[off : off + p.numel()].view(p.shape)
+            self.buffer[off : off + local(p).numel()].view(local(p).shape)
             for off, p in zip(spec.offsets, self.params, strict=True)
         ]
         self.work: Any = None  # the handle of this bucket's communication, once launched
@@ -131,19 +144,36 @@ class Bucket:
         into the buffer. Scaling while copying saves a second pass over the bucket, as torch
         DDP does with its pre-division."""
         assert not self.ready[slot], "a parameter was marked ready twice in one backward"
-        param, view = self.params[slot], self.views[slot]
+        param, view, layout = self.params[slot], self.views[slot], self.layouts[slot]
         grad = param.grad
         if grad is None or zeros:
             view.zero_()
         else:
+            if layout is not None:
+                grad = layout.local_grad(grad)  # see [Note: Partial gradients]
             if grad.data_ptr() != view.data_ptr():
                 if scale is None:
                     view.copy_(grad)
                 else:
                     torch.mul(grad, scale, out=view)
                 if as_view:
-                    param.grad = view
+                    param.grad = view if layout is None else layout.wrap(view)
             elif scale is not None:
                 view.mul_(scale)  # .grad already is the view (gradient_as_bucket_view)
         self.ready[slot] = True
         self.pending -= 1
+
+    def write_back(self, slot: int, as_view: bool) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Give ``params[slot]`` its reduced gradient; returns ``(destination, source)`` when
+        that is a copy, so the caller can batch all copies into one ``_foreach_copy_``."""
+        param, view, layout = self.params[slot], self.views[slot], self.layouts[slot]
+        grad = param.grad
+        if as_view:
+            param.grad = view if layout is None else layout.wrap(view)
+        elif grad is None:
+            param.grad = view.clone() if layout is None else layout.wrap(view.clone())
+        elif layout is not None and not layout.matches(grad):
+            param.grad = layout.wrap(view.clone())  # was Partial: see [Note: Partial gradients]
+        else:
+            return local(grad), view
+        return None

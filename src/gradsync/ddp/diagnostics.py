@@ -14,6 +14,7 @@ import torch.distributed as dist
 from gradsync.ddp.arrivals import ArrivalRecords
 from gradsync.ddp.deadline import Deadline, as_timedelta
 from gradsync.errors import ReplicaMismatchError
+from gradsync.mesh.dtensors import local
 
 _INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -24,7 +25,7 @@ def tensor_checksum(t: torch.Tensor) -> torch.Tensor:
     Float sums would differ between bit-identical replicas whose kernels add in another order
     (another thread count); integer addition modulo 2**64 is associative, so it cannot.
     """
-    flat = t.detach().contiguous().view(-1)
+    flat = local(t).detach().contiguous().view(-1)  # a DTensor: this rank's shard
     if flat.dtype == torch.bool:
         bits = flat.to(torch.int64)
     else:

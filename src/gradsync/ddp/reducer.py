@@ -34,7 +34,12 @@ from gradsync.ddp.buckets import Bucket, BucketSpec
 from gradsync.ddp.deadline import Deadline
 from gradsync.ddp.param_watch import ParameterWatch
 from gradsync.ddp.reduction import Reduction
-from gradsync.ddp.step_checks import check_tags, raise_if_unused, raise_nonfinite
+from gradsync.ddp.step_checks import (
+    check_tags,
+    nonfinite_params,
+    raise_if_unused,
+    raise_nonfinite,
+)
 from gradsync.ddp.step_tags import (
     NO_ITEMS,
     NUM_FIELDS,
@@ -44,6 +49,7 @@ from gradsync.ddp.step_tags import (
     decode,
 )
 from gradsync.errors import GradsyncError, ProtocolError
+from gradsync.mesh.dtensors import GradLayout
 
 # id(parameter) -> the reducer whose hooks it carries. Wrapping parameters again retires the
 # old reducer (removes its hooks): a re-wrap works, and the old wrapper says so if used.
@@ -77,6 +83,7 @@ class Reducer:
         find_unused_parameters: bool,
         gradient_as_bucket_view: bool,
         check_finite: bool = False,
+        layouts: Sequence[GradLayout | None] = (),
     ) -> None:
         # named_parameters() yields a tied parameter once, so it is reduced once.
         trainable = [(n, p) for n, p in watch.named if p.requires_grad]
@@ -94,8 +101,14 @@ class Reducer:
         self.world_size = deadline.world_size
         self.rank = deadline.rank
         num_tags = NUM_FIELDS * self.world_size  # in the first bucket only: [Note: step tags]
+        layouts = list(layouts) or [None] * len(self.params)  # DTensor parameters only
         self.buckets = [
-            Bucket(s, [self.params[i] for i in s.param_indices], num_tags * (b == 0))
+            Bucket(
+                s,
+                [self.params[i] for i in s.param_indices],
+                num_tags * (b == 0),
+                [layouts[i] for i in s.param_indices],
+            )
             for b, s in enumerate(specs)
         ]
         # param index -> (bucket index, slot in bucket)
@@ -243,7 +256,7 @@ class Reducer:
 
     def _launch(self, bucket: Bucket) -> None:
         if self.check_finite:
-            self._check_finite_locally(bucket)
+            self._local_nonfinite += nonfinite_params(bucket, self.names)
         if bucket.filled_late:
             flags = [1.0 if self.used[i] else 0.0 for i in bucket.spec.param_indices]
             bucket.used_flags.copy_(torch.tensor(flags, dtype=bucket.buffer.dtype))
@@ -371,30 +384,17 @@ class Reducer:
         self.window_forwards = self.window_no_sync = 0
         self.phase = _Phase.UNPREPARED
 
-    def _check_finite_locally(self, bucket: Bucket) -> None:
-        # Opt-in: one device-to-host read per bucket, to name the parameters before they mix.
-        finite = torch.stack([torch.isfinite(v).all() for v in bucket.views]).tolist()
-        self._local_nonfinite += [
-            f"{self.names[i]} (bucket {bucket.spec.index})"
-            for i, ok in zip(bucket.spec.param_indices, finite, strict=True)
-            if not ok
-        ]
-
     def _write_back(self, counts: list[list[float]]) -> None:
         copy_dst: list[torch.Tensor] = []
         copy_src: list[torch.Tensor] = []
         for bucket, bucket_counts in zip(self.buckets, counts, strict=True):
-            for slot, param in enumerate(bucket.params):
+            for slot in range(len(bucket.params)):
                 if bucket_counts[slot] == 0:
                     # Unused on every rank: like single-process training, leave .grad as it was.
                     continue
-                view = bucket.views[slot]
-                if self.gradient_as_bucket_view:
-                    param.grad = view
-                elif param.grad is None:
-                    param.grad = view.clone()
-                else:
-                    copy_dst.append(param.grad)
-                    copy_src.append(view)
+                copy = bucket.write_back(slot, self.gradient_as_bucket_view)
+                if copy is not None:
+                    copy_dst.append(copy[0])
+                    copy_src.append(copy[1])
         if copy_dst:
             torch._foreach_copy_(copy_dst, copy_src)  # one call instead of one per parameter

@@ -10,22 +10,31 @@ import torch.distributed as dist
 
 from gradsync.ddp.deadline import Deadline
 from gradsync.errors import ModelMismatchError
+from gradsync.mesh.dtensors import local, placement_text
+
+Row = tuple[str, str, tuple[int, ...], str, bool, str]
 
 
 def describe(
     named_params: Iterable[tuple[str, torch.Tensor]],
     named_buffers: Iterable[tuple[str, torch.Tensor]],
-) -> list[tuple[str, str, tuple[int, ...], str, bool]]:
-    """(kind, name, shape, dtype, requires_grad) of every parameter and buffer, in order."""
+) -> list[Row]:
+    """(kind, name, local shape, dtype, requires_grad, placements) of every parameter and
+    buffer, in order. For a DTensor the shape is its local shard's and the placements say how
+    it is distributed ('' for a plain tensor): data-parallel ranks must agree on both."""
     rows = [
-        ("parameter", n, tuple(p.shape), str(p.dtype), p.requires_grad) for n, p in named_params
+        ("parameter", n, tuple(local(p).shape), str(p.dtype), p.requires_grad, placement_text(p))
+        for n, p in named_params
     ]
-    rows += [("buffer", n, tuple(b.shape), str(b.dtype), False) for n, b in named_buffers]
+    rows += [
+        ("buffer", n, tuple(local(b).shape), str(b.dtype), False, placement_text(b))
+        for n, b in named_buffers
+    ]
     return rows
 
 
 def check_same_model(
-    rows: list[tuple[str, str, tuple[int, ...], str, bool]],
+    rows: list[Row],
     settings: dict[str, Any],
     deadline: Deadline,
 ) -> None:
@@ -61,9 +70,10 @@ def check_same_model(
             )
 
 
-def _fmt(row: tuple[str, str, tuple[int, ...], str, bool]) -> str:
-    _, _, shape, dtype, requires_grad = row
-    return f"shape {list(shape)}, {dtype}, requires_grad={requires_grad}"
+def _fmt(row: Row) -> str:
+    _, _, shape, dtype, requires_grad, placements = row
+    where = f", placements ({placements})" if placements else ""
+    return f"shape {list(shape)}, {dtype}, requires_grad={requires_grad}{where}"
 
 
 def broadcast_from(
@@ -75,10 +85,10 @@ def broadcast_from(
     would cost more than the forward pass.
     """
     by_kind: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
-    for t in tensors:
+    for t in tensors:  # a DTensor's local shard: every rank of the group holds the same one
         by_kind.setdefault((t.dtype, t.device), []).append(t)
     for group_tensors in by_kind.values():
-        flat = torch.cat([t.detach().reshape(-1) for t in group_tensors])
+        flat = torch.cat([local(t).detach().reshape(-1) for t in group_tensors])
         deadline.check_usable()
         work = dist.broadcast(flat, group=deadline.group, group_src=src, async_op=True)
         assert work is not None
@@ -86,6 +96,6 @@ def broadcast_from(
         offset = 0
         with torch.no_grad():
             for t in group_tensors:
-                n = t.numel()
-                t.copy_(flat[offset : offset + n].view_as(t))
+                n = local(t).numel()
+                local(t).copy_(flat[offset : offset + n].view_as(local(t)))
                 offset += n

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from gradsync.ddp.buckets import BucketSpec
+import torch
+
+from gradsync.ddp.buckets import Bucket, BucketSpec
 from gradsync.ddp.deadline import Deadline
 from gradsync.ddp.diagnostics import check_replicas
 from gradsync.ddp.param_watch import ParameterWatch
@@ -30,6 +32,17 @@ from gradsync.errors import (
     ProtocolError,
     UnusedParametersError,
 )
+
+
+def nonfinite_params(bucket: Bucket, names: Sequence[str]) -> list[str]:
+    """The parameters of ``bucket`` whose local gradient holds NaN or Inf, before the sum mixes
+    them (opt-in ``check_finite``: one device-to-host read per bucket)."""
+    finite = torch.stack([torch.isfinite(v).all() for v in bucket.views]).tolist()
+    return [
+        f"{names[i]} (bucket {bucket.spec.index})"
+        for i, ok in zip(bucket.spec.param_indices, finite, strict=True)
+        if not ok
+    ]
 
 
 def _per_rank_lines(mine: list[str], deadline: Deadline, what: str) -> str:

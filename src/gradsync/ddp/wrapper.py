@@ -15,6 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from gradsync.comm import AllReduceAlgorithm, AllReduceHook, get_algorithm
 from gradsync.ddp.buckets import BucketSpec, cap_to_bytes, plan_buckets
@@ -26,6 +27,8 @@ from gradsync.ddp.reducer import Reducer
 from gradsync.ddp.reduction import Reduction, check_reduction
 from gradsync.ddp.replicas import broadcast_from, check_same_model, describe
 from gradsync.errors import GradsyncError, ProtocolError, UsageError
+from gradsync.mesh.axes import axis_names, data_parallel_group
+from gradsync.mesh.dtensors import grad_layouts, local
 
 _PREFIXES = ("module.", "_orig_mod.")  # added by wrapping in DDP and by torch.compile
 _num_wrappers = 0  # wrappers built in this process: the same sequence on every rank
@@ -39,6 +42,11 @@ class DistributedDataParallel(nn.Module):
             ``requires_grad`` flags (checked here; a mismatch raises ``ModelMismatchError``, a
             ``ValueError``, on every rank).
         process_group: the ranks that hold replicas (default: the world).
+        device_mesh: instead of ``process_group``, the (sub-)mesh whose ranks saw different
+            data, e.g. ``mesh["dp"]`` or ``mesh["dp", "cp"]`` (its axes are reduced over as one
+            group; never include a tensor-parallel axis). Parameters may be DTensors (e.g.
+            from ``parallelize_module``): their local shards are reduced and their gradients
+            stay DTensors with the parameter's placements. See ``gradsync/mesh/``.
         bucket_cap_mb: bucket size in MiB. ``0``: one all-reduce per parameter; ``None``: one
             bucket (per dtype).
         first_bucket_cap_mb: a lower cap for the first bucket (the last layers' gradients), so
@@ -71,6 +79,7 @@ class DistributedDataParallel(nn.Module):
         module: nn.Module,
         *,
         process_group: dist.ProcessGroup | None = None,
+        device_mesh: DeviceMesh | None = None,
         bucket_cap_mb: float | None = 25.0,
         first_bucket_cap_mb: float | None = 1.0,
         find_unused_parameters: bool = False,
@@ -86,7 +95,9 @@ class DistributedDataParallel(nn.Module):
         _check_can_wrap(module)
         check_reduction(reduction)
         self.module = module
-        self.process_group = process_group
+        self.device_mesh = device_mesh
+        self.process_group = process_group = data_parallel_group(process_group, device_mesh)
+        self._layouts = grad_layouts(module.named_parameters(), process_group)
         self.reduction = reduction
         self.broadcast_buffers = broadcast_buffers
         self.algorithm = get_algorithm(algorithm)
@@ -108,6 +119,7 @@ class DistributedDataParallel(nn.Module):
             "algorithm": self.algorithm.name,
             "check_replicas_every": check_replicas_every,
             "check_finite": check_finite,
+            "device_mesh": axis_names(device_mesh),
         }
         self._make_replicas_equal(settings)
         self.reducer = self._build_reducer(
@@ -147,11 +159,11 @@ class DistributedDataParallel(nn.Module):
         # named_parameters() already yields a tied parameter once, so it is reduced once.
         trainable = [p for _, p in watch.named if p.requires_grad]
         self.bucket_specs: list[BucketSpec] = plan_buckets(
-            [(p.numel(), p.dtype) for p in trainable],
+            [(local(p).numel(), p.dtype) for p in trainable],
             cap_to_bytes(bucket_cap_mb),
             cap_to_bytes(first_bucket_cap_mb),
         )
-        device = trainable[0].device if trainable else torch.device("cpu")
+        device = local(trainable[0]).device if trainable else torch.device("cpu")
         group = self._deadline.group
         return Reducer(
             watch,
@@ -159,6 +171,7 @@ class DistributedDataParallel(nn.Module):
             deadline=self._deadline,
             comm_hook=AllReduceHook(self.algorithm, group),
             reduction=Reduction(self.reduction, group, device),
+            layouts=self._layouts,
             **options,
         )
 

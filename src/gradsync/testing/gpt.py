@@ -13,6 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from gradsync.testing.parallel import ContextParallel
+
 
 @dataclass
 class GPTConfig:
@@ -31,22 +33,31 @@ class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         assert cfg.n_embd % cfg.n_head == 0
-        self.n_head = cfg.n_head
-        # No bias: the key bias has a gradient of exactly zero (softmax ignores a constant added
-        # to every score of a query), so it would only carry rounding noise, which Adam scales
-        # up to full-size steps of random sign.
+        self.head_dim = cfg.n_embd // cfg.n_head
+        # Rows of the fused projection are head-major (head, {q, k, v}, head_dim): a
+        # column-parallel split of its rows gives each tensor-parallel rank whole heads, with
+        # their queries, keys and values. No bias: the key bias has a gradient of exactly zero
+        # (softmax ignores a constant added to every score of a query), so it would only carry
+        # rounding noise, which Adam scales up to full-size steps of random sign.
         self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=False)
         self.proj = nn.Linear(cfg.n_embd, cfg.n_embd)
         self.dropout = cfg.dropout
+        self.context_parallel: ContextParallel | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, c = x.shape
-        q, k, v = self.qkv(x).split(c, dim=2)
-        q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in (q, k, v))
-        y = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
-        )
-        return self.proj(y.transpose(1, 2).contiguous().view(b, t, c))
+        b, t, _ = x.shape
+        # -1: the heads this rank holds (all of them without tensor parallelism).
+        q, k, v = self.qkv(x).view(b, t, -1, 3, self.head_dim).unbind(3)
+        q, k, v = (z.transpose(1, 2) for z in (q, k, v))
+        dropout = self.dropout if self.training else 0.0
+        if self.context_parallel is None:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout)
+        else:  # this rank holds one chunk of each sequence: attend over all earlier chunks
+            cp = self.context_parallel
+            k, v = cp.gather(k), cp.gather(v)
+            mask = cp.causal_mask(t, x.device)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout)
+        return self.proj(y.transpose(1, 2).reshape(b, t, -1))
 
 
 class Block(nn.Module):
@@ -77,6 +88,7 @@ class GPT(nn.Module):
         self.ln_f = nn.LayerNorm(cfg.n_embd)
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         self.lm_head.weight = self.tok_emb.weight  # weight tying: one parameter, two uses
+        self.context_parallel: ContextParallel | None = None
         self.apply(self._init)
         for name, p in self.named_parameters():
             if name.endswith("proj.weight") or name.endswith("mlp.2.weight"):
@@ -95,9 +107,10 @@ class GPT(nn.Module):
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         """Logits of shape (batch, time, vocab) for token ids ``idx`` of shape (batch, time)."""
         t = idx.shape[1]
-        if t > self.cfg.block_size:
+        start = 0 if self.context_parallel is None else self.context_parallel.start(t)
+        if start + t > self.cfg.block_size:
             raise ValueError(f"sequence length {t} exceeds block_size {self.cfg.block_size}")
-        pos = torch.arange(t, device=idx.device)
+        pos = torch.arange(start, start + t, device=idx.device)
         x = self.tok_emb(idx) + self.pos_emb(pos)
         for block in self.blocks:
             x = block(x)
@@ -112,3 +125,11 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor, reduction: str = "mean"
         ignore_index=-1,
         reduction=reduction,
     )
+
+
+def enable_context_parallel(model: GPT, cp: ContextParallel) -> None:
+    """Make ``model`` take one chunk of each sequence (chunk ``cp.rank`` of ``cp.size``)."""
+    model.context_parallel = cp
+    for block in model.blocks:
+        assert isinstance(block, Block)
+        block.attn.context_parallel = cp

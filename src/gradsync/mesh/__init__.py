@@ -1,0 +1,1 @@
+"""Data parallelism inside a device mesh: which ranks sync, and DTensor parameters."""

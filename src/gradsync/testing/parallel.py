@@ -1,0 +1,96 @@
+"""Tensor and context parallelism for the demo GPT: what a 3-D (dp, cp, tp) run needs besides
+gradsync.
+
+- Tensor parallelism (TP) is torch's own ``parallelize_module``: in each block the fused
+  query/key/value projection and the MLP's first linear layer are split by output rows
+  (column-parallel: each rank computes some heads / hidden units), the attention output
+  projection and the MLP's second layer by input columns (row-parallel: partial sums, reduced
+  over tp by DTensor). Embeddings and LayerNorms stay plain, replicated tensors.
+- Context parallelism (CP) splits every sequence into ``cp`` contiguous chunks, one per rank.
+  Attention needs the keys and values of earlier chunks, so they are all-gathered over cp
+  (with autograd: the backward sums each chunk's key/value gradients from every rank's queries
+  and hands each rank its own) and a causal mask offset by the chunk's start keeps every query
+  to its past. Each rank's loss covers its own chunk's tokens; the gradient of the whole
+  sequence is the *sum* over cp ranks, which is why gradsync reduces over dp and cp together.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+class _GatherChunks(torch.autograd.Function):
+    """All-gather along the time axis (dim 2 of (batch, heads, time, head_dim)) over a group."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        return torch.cat(parts, dim=2)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        # Every rank's queries looked at every chunk: sum their gradients, keep our chunk's.
+        # (A reduce-scatter would move fewer bytes; an all-reduce is the readable version.)
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)
+        size, rank = dist.get_world_size(ctx.group), dist.get_rank(ctx.group)
+        return grad.chunk(size, dim=2)[rank].contiguous(), None
+
+
+class ContextParallel:
+    """This rank's place in a context-parallel group: which chunk of each sequence it holds."""
+
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.size = dist.get_world_size(group)
+
+    def start(self, chunk_len: int) -> int:
+        """Position of this rank's first token in the full sequence."""
+        return self.rank * chunk_len
+
+    def chunk(self, t: torch.Tensor) -> torch.Tensor:
+        """This rank's chunk of ``t`` (batch, time, ...) along time."""
+        return t.chunk(self.size, dim=1)[self.rank]
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
+        return _GatherChunks.apply(x, self.group)
+
+    def causal_mask(self, chunk_len: int, device: torch.device) -> torch.Tensor:
+        """(chunk_len, full_len) booleans: query i (at start + i) sees key j iff j <= start + i."""
+        queries = torch.arange(chunk_len, device=device)[:, None] + self.start(chunk_len)
+        keys = torch.arange(chunk_len * self.size, device=device)[None, :]
+        return keys <= queries
+
+
+def apply_tensor_parallel(model: nn.Module, tp_mesh: Any) -> None:
+    """Shard every block's attention and MLP over the 1-D mesh ``tp_mesh`` (in place)."""
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    plan: dict[str, Any] = {}
+    for name, _ in model.named_modules():
+        if name.endswith("attn.qkv") or name.endswith("mlp.0"):
+            plan[name] = ColwiseParallel()
+        elif name.endswith("attn.proj") or name.endswith("mlp.2"):
+            plan[name] = RowwiseParallel()
+    parallelize_module(model, tp_mesh, plan)
+
+
+def full_parameters(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter as a full plain tensor: DTensors are gathered over their mesh (a
+    collective: every rank of the mesh must call this)."""
+    out = {}
+    for name, p in model.named_parameters():
+        full = p.full_tensor() if hasattr(p, "full_tensor") else p
+        out[name] = full.detach().clone()
+    return out
