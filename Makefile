@@ -11,9 +11,13 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q -e '.[dev]'
 	touch $@
 
-.PHONY: train test lint
+.PHONY: train train-3d test lint
 train: $(VENV)/.installed
 	$(VENV)/bin/torchrun --standalone --nproc-per-node $(NPROC) examples/train_gpt.py
+
+# The same GPT on 8 ranks: data x context x tensor parallel (dp2 x cp2 x tp2).
+train-3d: $(VENV)/.installed
+	$(VENV)/bin/torchrun --standalone --nproc-per-node 8 examples/train_3d.py --cp 2 --tp 2
 
 test: $(VENV)/.installed
 	$(PY) -m ruff check src tests examples benchmarks

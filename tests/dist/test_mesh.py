@@ -28,14 +28,25 @@ DTYPE = torch.float64  # float64: a sync bug shows as a difference ~1e-3, roundi
 SMALL_CAP_MB = 600 / 2**20  # buckets of a few parameters
 OPTIMIZERS = {
     "sgd": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
+    # For summed losses: the gradient is ~64x (the tokens of the batch) a mean loss's.
+    "sgd_sum": lambda ps: torch.optim.SGD(ps, lr=0.1 / 64, momentum=0.9),
     "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.01),
 }
-# (optimizer, bucket cap, reduction, micro-batches per step)
+# (optimizer, bucket cap, reduction, micro-batches per step, other options)
 CASES = [
-    ("sgd", 0, "mean", 1),
-    ("adamw", SMALL_CAP_MB, "mean", 2),
-    ("adamw", None, "item_mean", 1),
+    ("sgd", 0, "mean", 1, ()),
+    ("adamw", SMALL_CAP_MB, "mean", 2, ()),
+    ("adamw", None, "item_mean", 1, ()),
 ]
+# Every other option, unchanged with a mesh: gradsync's own ring all-reduce, replica checks
+# every step (checksums of DTensor shards), NaN/Inf checks, the sum reduction.
+OPTIONS_CASE = (
+    "sgd_sum",
+    SMALL_CAP_MB,
+    "sum",
+    1,
+    (("algorithm", "ring"), ("check_replicas_every", 1), ("check_finite", True)),
+)
 
 
 def batches(masked: bool) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -64,7 +75,7 @@ def _count_all_reduces(calls: list[frozenset[int]]) -> Any:
 
 
 def _train_case(mesh: Any, case: tuple, count: bool) -> dict[str, Any]:
-    opt_name, cap, reduction, micro = case
+    opt_name, cap, reduction, micro, options = case
     # Replicas start different (seeded by their data-parallel index): the wrapper must
     # broadcast the first data-parallel rank's weights, separately for each tp shard.
     dp_index = mesh["dp"].get_local_rank() * mesh["cp"].size() + mesh["cp"].get_local_rank()
@@ -76,6 +87,7 @@ def _train_case(mesh: Any, case: tuple, count: bool) -> dict[str, Any]:
         reduction=reduction,
         gradient_as_bucket_view=cap == 0,  # DTensor gradients that are views into buckets
         timeout=60,
+        **dict(options),
     )
     opt = OPTIMIZERS[opt_name](ddp.parameters())
     calls: list[frozenset[int]] = []
@@ -156,7 +168,7 @@ TOL = 1e-12
 
 def _check(results: list[dict], layout: Layout, cases: list[tuple]) -> None:
     for case in cases:
-        opt_name, _, reduction, _ = case
+        opt_name, _, reduction, _, _ = case
         want = mesh_run.train_reference(
             CFG,
             OPTIMIZERS[opt_name],
@@ -176,11 +188,16 @@ def _check(results: list[dict], layout: Layout, cases: list[tuple]) -> None:
 # name: (layout, cases, count collectives, extra checks). The 8-rank layout runs once, with
 # every feature in one case: a small cap, no_sync accumulation, item_mean on uneven chunks.
 LAYOUTS = {
-    "dp2_tp2": (Layout(dp=2, tp=2), CASES, True, ()),
+    "dp2_tp2": (Layout(dp=2, tp=2), [*CASES, OPTIONS_CASE], True, ()),
     "dp2_cp2": (Layout(dp=2, cp=2), CASES, False, ("fsdp_then_cp",)),
     "dp1_tp2": (Layout(dp=1, tp=2), CASES, False, ()),
     "dp1_cp2": (Layout(dp=1, cp=2), CASES, False, ("forget_cp",)),
-    "dp2_cp2_tp2": (Layout(dp=2, cp=2, tp=2), [("adamw", SMALL_CAP_MB, "item_mean", 2)], True, ()),
+    "dp2_cp2_tp2": (
+        Layout(dp=2, cp=2, tp=2),
+        [("adamw", SMALL_CAP_MB, "item_mean", 2, ())],
+        True,
+        (),
+    ),
 }
 
 
@@ -192,6 +209,8 @@ def test_mesh_training_equals_one_process(name: str) -> None:
     _check(results, layout, cases)
     for result in results:
         for case in cases if count else ():
+            if case[4]:  # the ring all-reduce sends point to point; counted in test_algorithms
+                continue
             got = result[case]
             # Exactly one collective per bucket, all over the data-parallel ranks (dp x cp),
             # none over tp; item_mean adds its one item-count exchange, on the same ranks.

@@ -135,9 +135,42 @@ def _mistakes(mesh: Any) -> dict[str, str]:
     }
 
 
+def _gpt_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    out = []
+    for step in range(STEPS):
+        g = torch.Generator().manual_seed(300 + step)
+        shape = (BATCH, CFG.block_size)
+        out.append((torch.randint(0, 13, shape, generator=g), torch.randint(0, 13, shape, generator=g)))
+    return out
+
+
+def _join(mesh: Any) -> dict[str, torch.Tensor]:
+    """Data-parallel rank 1 (both its tp ranks) runs out of data one step early."""
+    model = mesh_run.make_model(CFG, mesh, seed=0, dtype=torch.float64)
+    ddp = gradsync.DistributedDataParallel(model, device_mesh=mesh["dp"], timeout=60)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
+    data = _gpt_batches()
+    if mesh["dp"].get_local_rank() == 1:
+        data = data[:-1]
+    with ddp.join(opt):
+        mesh_run.train(ddp, opt, data, mesh)
+    return full_parameters(model)
+
+
+def _join_reference() -> dict[str, torch.Tensor]:
+    """One process trained on exactly the batches that existed: the last step has only the
+    rows of data-parallel rank 0."""
+    data = _gpt_batches()
+    tokens, targets = data[-1]
+    data[-1] = (tokens[: BATCH // 2], targets[: BATCH // 2])
+    sgd = lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9)  # noqa: E731
+    return mesh_run.train_reference(CFG, sgd, data, seed=0, dtype=torch.float64)
+
+
 def _run(rank: int, world: int) -> dict[str, Any]:
     mesh = Layout(dp=2, tp=2).build_mesh()
     return {
+        "join": _join(mesh),
         "mistakes": _mistakes(mesh),
         "wrapper": _sp_train(mesh, naive=False),
         "naive": _sp_train(mesh, naive=True),
@@ -147,7 +180,11 @@ def _run(rank: int, world: int) -> dict[str, Any]:
 def test_mesh_mistakes_and_partial_gradients() -> None:
     results = spawn(_run, 4)
     want = _sp_reference()
+    want_join = _join_reference()
     for rank, result in enumerate(results):
+        # join() with tensor parallelism: float64 rounding only, as in test_mesh.py.
+        diff = max((result["join"][n] - want_join[n]).abs().max().item() for n in want_join)
+        assert diff < 1e-12, (rank, diff)
         m = result["mistakes"]
         assert m["tp_in_data_mesh"].startswith("UsageError"), (rank, m)
         assert "'tp'" in m["tp_in_data_mesh"] and "Shard" in m["tp_in_data_mesh"], m

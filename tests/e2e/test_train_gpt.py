@@ -45,3 +45,18 @@ def test_train_gpt_reports_a_wrong_tolerance_as_fail(tmp_path: Path) -> None:
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=100)
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "FAIL" in proc.stdout
+
+
+@pytest.mark.timeout(240)
+def test_train_3d_matches_single_process(tmp_path: Path) -> None:
+    # 4 ranks, dp1 x cp2 x tp2: the 8-rank layout of `make train-3d` runs in tests/dist.
+    env = dict(os.environ, OMP_NUM_THREADS="1", TMPDIR=str(tmp_path))
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
+        str(ROOT / "examples" / "train_3d.py"), "--cp", "2", "--tp", "2", "--steps", "6",
+        "--timeout-s", "60",
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=220)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    assert "dp1 x cp2 x tp2" in out and "PASS" in out, out

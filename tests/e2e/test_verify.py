@@ -194,3 +194,29 @@ def test_user_factories_on_3_ranks_with_adamw_and_the_default_loss() -> None:
     )
     assert report.passed, format_report(report)
     assert report.evidence.rank_init_checksums == [report.evidence.ref_init_checksum] * 3
+
+
+@pytest.mark.timeout(180)
+def test_mesh_layout_passes(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["-n", "4", "--tp", "2", "--cp", "2", "--steps", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "dp1 x cp2 x tp2 = 4 ranks vs 1 process" in out and "PASS" in out, out
+
+
+def test_mesh_layout_mistakes_exit_2_and_a_difference_fails(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from gradsync.testing.mesh_run import Layout
+    from gradsync.verify.mesh import MeshReport
+
+    assert main(["-n", "4", "--tp", "3"]) == 2
+    assert "not divisible by cp * tp = 3" in capsys.readouterr().err
+    assert main(["-n", "3", "--tp", "3"]) == 2  # the built-in GPT has 2 heads
+    assert "2 attention heads" in capsys.readouterr().err
+    assert main(["-n", "2", "--tp", "2", "--inject", "no-set-epoch"]) == 2
+    assert "drop --inject" in capsys.readouterr().err
+    report = MeshReport(Layout(dp=1, tp=2), 1, "sgd", 0.1, "mean", 25.0, tolerance=1e-4)
+    report.rows = [(0, 1.0, 1.0, 1e-8, 1e-8)]
+    assert report.passed
+    report.rows.append((1, 1.0, 1.0, 1e-8, 2e-4))  # one gradient past the tolerance
+    assert not report.passed

@@ -40,9 +40,11 @@ def average_gradients(
     check_reduction(reduction, allowed=("mean", "sum"))
     group = data_parallel_group(group, device_mesh)
     world_size = dist.get_world_size(group)
-    trainable = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
-    grad_layouts(module.named_parameters(), group)  # refuses a parameter sharded across the ranks reduced over
-    for _, param in trainable:
+    # Refuse a parameter sharded across the ranks reduced over (see gradsync/mesh/axes.py).
+    grad_layouts(module.named_parameters(), group)
+    for param in module.parameters():
+        if not param.requires_grad:
+            continue
         grad = param.grad if param.grad is not None else torch.zeros_like(param)
         if isinstance(grad, DTensor) and isinstance(param, DTensor):
             grad = grad.redistribute(param.device_mesh, param.placements)

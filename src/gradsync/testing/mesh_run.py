@@ -73,12 +73,14 @@ def micro_batch_loss(
     model: torch.nn.Module, batch: Batch, reduction: str, micro_batches: int
 ) -> torch.Tensor:
     """The loss whose gradient the reduction turns into the global one: a mean per micro-batch
-    (``mean``; every token valid), or a sum whose items are counted (``item_mean``)."""
+    (``mean``; every token valid), a sum (``sum``), or a sum whose items are counted
+    (``item_mean``)."""
     tokens, targets = batch
     logits = model(tokens)
     if reduction == "item_mean":
         assert isinstance(model, DistributedDataParallel)
         model.count_items(int((targets != -1).sum()))
+    if reduction in ("sum", "item_mean"):
         return lm_loss(logits, targets, "sum")
     return lm_loss(logits, targets, "mean") / micro_batches
 
@@ -104,7 +106,7 @@ def train(
             with sync:
                 loss = micro_batch_loss(ddp, part, reduction, micro_batches)
                 loss.backward()
-            total += float(loss)
+            total += float(loss.detach())
         optimizer.step()
         losses.append(total)
     return losses
@@ -128,6 +130,8 @@ def train_reference(
         logits = model(tokens)
         if reduction == "item_mean":
             loss = lm_loss(logits, targets, "sum") / (targets != -1).sum()
+        elif reduction == "sum":
+            loss = lm_loss(logits, targets, "sum")
         else:
             loss = lm_loss(logits, targets, "mean")
         loss.backward()

@@ -95,6 +95,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     _add_training_arguments(parser, d)
     parser.add_argument(
+        "--tp", type=_count, default=1, help="tensor-parallel ranks (built-in GPT only)"
+    )
+    parser.add_argument(
+        "--cp", type=_count, default=1, help="context-parallel ranks (built-in GPT only); dp is "
+        "the world size / (cp * tp)",
+    )  # fmt: skip
+    parser.add_argument(
         "--tolerance",
         type=_non_negative,
         default=d.tolerance,
@@ -183,6 +190,8 @@ def run(args: argparse.Namespace) -> int:
     # ranks inherit sys.path.
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
+    if args.tp > 1 or args.cp > 1:
+        return _run_mesh(args)
     try:
         report = verify(config_from_args(args))
     except FactoryError as exc:
@@ -195,4 +204,36 @@ def run(args: argparse.Namespace) -> int:
         print(f"gradsync verify: the N-rank run failed: {exc}", file=sys.stderr)
         return 2
     print(format_report(report), flush=True)
+    return 0 if report.passed else 1
+
+
+def _run_mesh(args: argparse.Namespace) -> int:
+    """``--tp`` / ``--cp``: the built-in GPT on a (dp, cp, tp) mesh (``verify/mesh.py``)."""
+    from gradsync.verify import mesh
+
+    d = VerifyConfig()
+    custom = [
+        f"--{name}" for name in ("model", "batches", "loss", "inject", "steps_per_epoch")
+        if getattr(args, name) != getattr(d, name)
+    ]  # fmt: skip
+    try:
+        if custom:
+            raise ValueError(
+                f"--tp/--cp verify the built-in GPT (their tensor-parallel plan is written for "
+                f"it); drop {', '.join(custom)}"
+            )
+        report = mesh.MeshReport(
+            mesh.check_layout(args.world_size, args.cp, args.tp), args.steps, args.optimizer,
+            mesh.default_lr(args.optimizer, args.lr), args.reduction, args.bucket_cap_mb,
+            args.tolerance,
+        )  # fmt: skip
+    except ValueError as exc:
+        print(f"gradsync verify: error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        mesh.verify_mesh(report, seed=args.seed, timeout_s=args.timeout_s)
+    except SpawnError as exc:
+        print(f"gradsync verify: the N-rank run failed: {exc}", file=sys.stderr)
+        return 2
+    print(mesh.format_mesh_report(report), flush=True)
     return 0 if report.passed else 1
