@@ -361,7 +361,7 @@ def check_wire_bytes(results: list[dict[str, Any]], world: int) -> None:
             expected = first + all_reduce_wire_bytes(2048, 4, world)
             assert got["sent"] == 3 * expected, (got["sent"], 3 * expected)
             ratio = fp32 / got["sent"]
-            assert ratio >= 20, ratio  # ~25.6x (32x on the matrices alone)
+            assert ratio >= 20, ratio  # 28.5x (32x on the matrices alone)
 
 
 def check_flags(results: list[dict[str, Any]], world: int) -> None:

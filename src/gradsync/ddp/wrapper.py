@@ -72,6 +72,9 @@ class DistributedDataParallel(nn.Module):
             across ranks (:meth:`check_replicas`) at the next forward; 0 disables.
     """
 
+    _torch_hook: Callable[..., Any] | None = None  # set by register_comm_hook
+    _forward_ran = False  # a forward ran through the wrapper (hooks register before that)
+
     def __init__(
         self,
         module: nn.Module,
@@ -99,8 +102,6 @@ class DistributedDataParallel(nn.Module):
         self.algorithm = get_algorithm(algorithm)
         self.compression = compression
         self._compression_name = describe_compression(compression)
-        self._torch_hook: Callable[..., Any] | None = None  # see register_comm_hook
-        self._forward_ran = False
         self.timeout = as_timedelta(timeout)
         self.check_replicas_every = check_replicas_every
         global _num_wrappers
