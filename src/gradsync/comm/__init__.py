@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 from gradsync.comm.algorithm import AllReduceAlgorithm, CommStats, Handle
+from gradsync.comm.compress import HalfPrecisionHook
+from gradsync.comm.formats import describe_compression, make_comm_hook
 from gradsync.comm.hierarchical import HierarchicalAllReduce
-from gradsync.comm.hook import AllReduceHook, CommHook
+from gradsync.comm.hook import AllReduceHook, BucketLike, CommHook
 from gradsync.comm.native import NativeAllReduce
+from gradsync.comm.powersgd import PowerSGD, PowerSGDHook
 from gradsync.comm.ring import RingAllReduce
 
 ALGORITHMS: dict[str, type[AllReduceAlgorithm]] = {
@@ -31,11 +34,17 @@ __all__ = [
     "ALGORITHMS",
     "AllReduceAlgorithm",
     "AllReduceHook",
+    "BucketLike",
     "CommHook",
     "CommStats",
     "Handle",
+    "HalfPrecisionHook",
     "HierarchicalAllReduce",
     "NativeAllReduce",
+    "PowerSGD",
+    "PowerSGDHook",
     "RingAllReduce",
+    "describe_compression",
     "get_algorithm",
+    "make_comm_hook",
 ]

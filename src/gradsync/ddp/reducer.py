@@ -262,7 +262,7 @@ class Reducer:
             bucket.used_flags.copy_(torch.tensor(flags, dtype=bucket.buffer.dtype))
         else:  # every slot was filled by its hook: all used (no host-to-device copy needed)
             bucket.used_flags.fill_(1.0)
-        bucket.work = self.comm_hook.start(bucket.buffer, bucket.spec.index)
+        bucket.work = self.comm_hook.start(bucket)
 
     def finish_gradient_synchronization(self) -> None:
         """Wait for every bucket and write the reduced gradients to ``.grad``.

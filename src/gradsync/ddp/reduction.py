@@ -51,6 +51,10 @@ class Reduction:
         # The item exchange's buffer; float64 so counts stay exact far beyond 2**24.
         self.total_items = torch.zeros(1, dtype=torch.float64, device=device)
         self.exchange: Handle | None = None
+        # What the bucket communication divides its sum by: 1 for gradsync's hooks, the world
+        # size for torch's ddp_comm_hooks, which average (torch DDP hands them undivided
+        # gradients). Pre-division multiplies by it, so the result means the same either way.
+        self.wire_divides = 1
 
     @property
     def counts_items(self) -> bool:
@@ -58,9 +62,10 @@ class Reduction:
 
     def pre_division(self, num_active: int) -> float | None:
         """The factor each rank's gradient is multiplied by before the sum (``None``: 1)."""
-        if self.name != "mean" or num_active == 1:
-            return None
-        return 1.0 / num_active
+        factor = float(self.wire_divides)
+        if self.name == "mean":
+            factor /= num_active
+        return None if factor == 1.0 else factor
 
     def count_items(self, num_items: float) -> None:
         """Add ``num_items`` to this rank's count for the current window."""

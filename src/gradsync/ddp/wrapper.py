@@ -7,7 +7,7 @@ Construction makes replicas equal (model check, rank 0 broadcast) and plans the 
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
@@ -17,7 +17,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from gradsync.comm import AllReduceAlgorithm, AllReduceHook, get_algorithm
+from gradsync.comm import AllReduceAlgorithm, get_algorithm, torch_hooks
+from gradsync.comm.formats import Compression, describe_compression, make_comm_hook
 from gradsync.ddp.buckets import BucketSpec, cap_to_bytes, plan_buckets
 from gradsync.ddp.deadline import Deadline, as_timedelta
 from gradsync.ddp.diagnostics import check_replicas, warn_if_same_batch
@@ -65,6 +66,11 @@ class DistributedDataParallel(nn.Module):
             (use with sum-reduced losses).
         algorithm: the all-reduce used for every bucket: a name from ``gradsync.comm.ALGORITHMS``
             or an :class:`~gradsync.comm.AllReduceAlgorithm` instance.
+        compression: the wire format of the gradients: ``None`` (exact), ``"bf16"`` or
+            ``"fp16"`` (half the bytes, fp32 accumulation) or a
+            :class:`gradsync.comm.PowerSGD` (low rank, error feedback); see
+            ``gradsync/comm/formats.py`` for what each changes. Used flags and step tags
+            always travel exactly.
         timeout: deadline (seconds or ``timedelta``) for each of gradsync's collectives; past it
             every waiting rank raises ``CollectiveTimeoutError`` saying what it waited for.
         check_finite: check each bucket for NaN/Inf before communication; on a hit every rank
@@ -73,6 +79,9 @@ class DistributedDataParallel(nn.Module):
         check_replicas_every: every this many optimizer steps, compare parameter checksums
             across ranks (:meth:`check_replicas`) at the next forward; 0 disables.
     """
+
+    _torch_hook: Callable[..., Any] | None = None  # set by register_comm_hook
+    _forward_ran = False  # a forward ran through the wrapper (hooks register before that)
 
     def __init__(
         self,
@@ -87,6 +96,7 @@ class DistributedDataParallel(nn.Module):
         broadcast_buffers: bool = True,
         reduction: str = "mean",
         algorithm: str | AllReduceAlgorithm = "native",
+        compression: Compression = None,
         timeout: float | timedelta = 300.0,
         check_finite: bool = False,
         check_replicas_every: int = 0,
@@ -101,6 +111,8 @@ class DistributedDataParallel(nn.Module):
         self.reduction = reduction
         self.broadcast_buffers = broadcast_buffers
         self.algorithm = get_algorithm(algorithm)
+        self.compression = compression
+        self._compression_name = describe_compression(compression)
         self.timeout = as_timedelta(timeout)
         self.check_replicas_every = check_replicas_every
         global _num_wrappers
@@ -117,6 +129,7 @@ class DistributedDataParallel(nn.Module):
             "gradient_as_bucket_view": gradient_as_bucket_view,
             "broadcast_buffers": broadcast_buffers,
             "algorithm": self.algorithm.name,
+            "compression": self._compression_name,
             "check_replicas_every": check_replicas_every,
             "check_finite": check_finite,
             "device_mesh": axis_names(device_mesh),
@@ -169,7 +182,12 @@ class DistributedDataParallel(nn.Module):
             watch,
             self.bucket_specs,
             deadline=self._deadline,
-            comm_hook=AllReduceHook(self.algorithm, group),
+            comm_hook=make_comm_hook(
+                self.compression,
+                self.algorithm,
+                group,
+                [(n, p) for n, p in watch.named if p.requires_grad],
+            ),
             reduction=Reduction(self.reduction, group, device),
             layouts=self._layouts,
             **options,
@@ -178,6 +196,7 @@ class DistributedDataParallel(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():
             return self.module(*args, **kwargs)  # no_grad: nothing to synchronise
+        self._forward_ran = True
         try:
             self.reducer.check_forward_allowed()
             # Collectives only in training mode: an eval-mode forward, even with grad enabled,
@@ -285,6 +304,14 @@ class DistributedDataParallel(nn.Module):
         finally:
             self._require_sync = previous
 
+    def register_comm_hook(self, state: object, hook: Callable[..., Any]) -> None:
+        """Run torch's DDP communication hook ``hook(state, bucket) -> Future[Tensor]`` (e.g.
+        from ``torch.distributed.algorithms.ddp_comm_hooks``) on every bucket, as
+        ``torch.nn.parallel.DistributedDataParallel.register_comm_hook`` does. Call it on
+        every rank, once, before the first forward; ranks registering different hooks raise
+        ``UsageError`` on every rank. See ``gradsync/comm/torch_hooks.py``."""
+        torch_hooks.register(self, state, hook)
+
     def finish_gradient_synchronization(self) -> None:
         """Wait for outstanding reductions; idempotent. Backward already calls it at its end."""
         self.reducer.finish_gradient_synchronization()
@@ -305,9 +332,10 @@ class DistributedDataParallel(nn.Module):
             strip_prefixes(state_dict, own_keys), strict=strict, assign=assign
         )
 
-    def sync_state_dict(self) -> dict[str, int]:
+    def sync_state_dict(self) -> dict[str, Any]:
         """gradsync's own training state, for a training checkpoint (``state_dict()`` stays
-        the module's): the synchronised step counter and the last replica check.
+        the module's): the synchronised step counter, the last replica check and the state of
+        the compression (PowerSGD's matrices and error buffers; tensors).
 
         Raises ``ProtocolError`` between the forwards of an accumulation window or inside
         ``join()``: gradients accumulated under ``no_sync()`` are not part of any checkpoint,
@@ -319,16 +347,22 @@ class DistributedDataParallel(nn.Module):
                 f"a checkpoint was requested {where}: the gradients accumulated so far would "
                 "be lost; save after optimizer.step(), outside join()"
             )
-        return {
+        state: dict[str, Any] = {
             "num_reductions": self.reducer.num_reductions,
             "replicas_checked_at": self._replicas_checked_at,
         }
+        comm = self.reducer.comm_hook.state_dict()
+        if comm:
+            state["comm"] = comm
+        return state
 
-    def load_sync_state_dict(self, state: Mapping[str, int]) -> None:
+    def load_sync_state_dict(self, state: Mapping[str, Any]) -> None:
         """Continue the step counter from a checkpoint (see :meth:`sync_state_dict`)."""
         self.sync_state_dict()  # the same refusal
         self.reducer.resume_from(int(state["num_reductions"]))
         self._replicas_checked_at = int(state["replicas_checked_at"])
+        if "comm" in state:
+            self.reducer.comm_hook.load_state_dict(state["comm"])
 
 
 def _check_can_wrap(module: nn.Module) -> None:

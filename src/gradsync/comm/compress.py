@@ -1,0 +1,123 @@
+"""Half-precision wire formats (bf16, fp16) whose sum is formed in fp32 and rounded once.
+
+torch's ``bf16_compress_hook`` / ``fp16_compress_hook`` cast the bucket to half precision and
+all-reduce it there: every partial sum of the ring is rounded to 8 (bf16) or 11 (fp16)
+significant bits, so the error grows with the number of ranks. Here each rank rounds its
+gradients to the wire format once, an all-to-all hands every rank the N half-precision copies of
+its 1/N chunk, the rank adds them in fp32 and rounds the sum once, and an all-gather of the
+rounded chunks gives every rank the whole result (the scheme of Megatron-LM's
+``reduce_scatter_with_fp32_accumulation``). Each rank sends 2(N-1)/N of the bucket in 2-byte
+elements: half the bytes of an fp32 ring all-reduce, the same as torch's hooks.
+
+[Note: the half-precision error bound]
+Let ``x_j`` be rank j's (pre-divided) value of one gradient element, ``S = sum_j x_j`` the exact
+sum, ``u`` the unit roundoff of the wire format (``2**-8`` for bf16, ``2**-11`` for fp16),
+``eta`` its absolute rounding error below the normal range (``2**-25`` for fp16, ``2**-134``
+for bf16) and ``g = (N-1) u32 / (1 - (N-1) u32)`` with ``u32 = 2**-24`` (fp32 summation of N
+terms). Rounding each input once, summing in fp32 and rounding the sum once gives a result
+``r`` with
+
+    |r - S| <= u |S| + (u (1 + u) + g (1 + u)**2) sum_j |x_j| + 2 (N + 1) eta
+
+that is one rounding of the result plus one rounding of each input (the fp32 term is ~1e-7
+relative and the ``eta`` term only matters for fp16 values below 6e-5). :func:`rounding_bound`
+computes it; ``tests/dist/test_wire_formats.py`` checks it per element against an fp64 mean.
+fp16 overflows beyond 65504: an element that large becomes inf (``check_finite=True`` does not
+see it, as it checks before communication).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from gradsync.comm.algorithm import CommStats, Handle
+from gradsync.comm.hook import BucketLike, CommHook, tail
+from gradsync.comm.worker import SerialWorker
+
+WIRE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+_SUBNORMAL_ERROR = {torch.bfloat16: 2.0**-134, torch.float16: 2.0**-25}
+
+
+def all_reduce_wire_bytes(numel: int, element_size: int, world_size: int) -> int:
+    """Bytes one rank sends in a bandwidth-optimal all-reduce of ``numel`` elements: a
+    reduce-scatter and an all-gather of N chunks of at most ``ceil(numel / N)`` elements."""
+    return 2 * (world_size - 1) * math.ceil(numel / world_size) * element_size
+
+
+def rounding_bound(
+    exact_sum: torch.Tensor, abs_sum: torch.Tensor, wire_dtype: torch.dtype, world_size: int
+) -> torch.Tensor:
+    """The per-element bound of [Note: the half-precision error bound] (fp64 inputs: the exact
+    sum ``S`` and ``sum_j |x_j|`` of each element)."""
+    u = torch.finfo(wire_dtype).eps / 2
+    u32 = torch.finfo(torch.float32).eps / 2
+    g = (world_size - 1) * u32 / (1 - (world_size - 1) * u32)
+    eta = _SUBNORMAL_ERROR[wire_dtype]
+    coeff = u * (1 + u) + g * (1 + u) ** 2
+    return u * exact_sum.abs() + coeff * abs_sum + 2 * (world_size + 1) * eta
+
+
+def sum_with_fp32_accumulation(
+    flat: torch.Tensor, wire_dtype: torch.dtype, group: dist.ProcessGroup | None
+) -> int:
+    """Sum 1-D ``flat`` over ``group`` in place: ``wire_dtype`` on the wire, fp32 accumulation,
+    one rounding of the sum; every rank gets the same result. Returns the bytes this rank sent.
+    Blocking: run it on a worker thread."""
+    world = dist.get_world_size(group)
+    if world == 1 or flat.numel() == 0:
+        return 0  # nothing travels, nothing is rounded
+    chunk = math.ceil(flat.numel() / world)
+    send = torch.zeros(world * chunk, dtype=wire_dtype, device=flat.device)
+    send[: flat.numel()].copy_(flat)  # the inputs' one rounding
+    received = torch.empty_like(send)
+    # Chunk j of ``received`` is rank j's copy of this rank's chunk.
+    dist.all_to_all_single(received, send, group=group)
+    mine = received.view(world, chunk).to(torch.float32).sum(0).to(wire_dtype)  # rounded once
+    gathered = torch.empty_like(send)
+    dist.all_gather_single(gathered, mine, group=group)
+    flat.copy_(gathered[: flat.numel()])
+    return 2 * (world - 1) * chunk * send.element_size()
+
+
+def naive_half_all_reduce(flat: torch.Tensor, wire_dtype: torch.dtype, group: Any) -> None:
+    """What torch's compress hooks do, for comparison: all-reduce in half precision, so every
+    partial sum is rounded (the error grows with the number of ranks)."""
+    half = flat.to(wire_dtype)
+    dist.all_reduce(half, group=group)
+    flat.copy_(half)
+
+
+class HalfPrecisionHook(CommHook):
+    """Buckets travel as bf16 or fp16 with fp32 accumulation; used flags and step tags travel
+    in a second, exact all-reduce of the bucket's own dtype (a few elements per parameter).
+
+    ``stats`` counts the gradients' bytes, ``exact_stats`` those of the flags and tags.
+    """
+
+    def __init__(self, wire: str, group: dist.ProcessGroup | None) -> None:
+        self.name = wire
+        self.wire_dtype = WIRE_DTYPES[wire]
+        self.group = group
+        self.world_size = dist.get_world_size(group)
+        self.stats = CommStats()
+        self.exact_stats = CommStats()
+        self._worker = SerialWorker(f"gradsync-{wire}-wire")
+
+    def start(self, bucket: BucketLike) -> Handle:
+        return self._worker.submit(lambda: self._reduce(bucket))
+
+    def _reduce(self, bucket: BucketLike) -> None:
+        sent = sum_with_fp32_accumulation(bucket.grads, self.wire_dtype, self.group)
+        self.stats.calls += 1
+        self.stats.bytes_sent += sent
+        self.stats.bytes_received += sent
+        exact = tail(bucket)
+        dist.all_reduce(exact, group=self.group)
+        nbytes = all_reduce_wire_bytes(exact.numel(), exact.element_size(), self.world_size)
+        self.exact_stats.calls += 1
+        self.exact_stats.bytes_sent += nbytes
+        self.exact_stats.bytes_received += nbytes

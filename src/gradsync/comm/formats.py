@@ -1,0 +1,62 @@
+"""Which format a wrapper's buckets travel in: ``DistributedDataParallel(compression=...)``.
+
+| ``compression``  | bytes vs fp32 | the result                                                   |
+|------------------|---------------|--------------------------------------------------------------|
+| ``None``         | 1             | the exact sum (up to fp32 summation order)                   |
+| ``"bf16"``       | 1/2           | within one bf16 rounding of the sum and of each input        |
+| ``"fp16"``       | 1/2           | within one fp16 rounding of each, range +-65504              |
+| ``PowerSGD(r)``  | ~r(n+m)/(nm)  | a rank-r approximation; error feedback carries the rest      |
+
+Used flags and step tags always travel exactly (see [Note: the bucket communication seam]).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from gradsync.comm.algorithm import AllReduceAlgorithm
+from gradsync.comm.compress import WIRE_DTYPES, HalfPrecisionHook
+from gradsync.comm.hook import AllReduceHook, CommHook
+from gradsync.comm.powersgd import PowerSGD, PowerSGDHook
+from gradsync.errors import UsageError
+
+Compression = str | PowerSGD | None
+
+
+def describe_compression(compression: Compression) -> str:
+    """A name for ``compression`` (compared across ranks); ``UsageError`` naming the choices
+    for anything else."""
+    if compression is None:
+        return "none"
+    if isinstance(compression, PowerSGD):
+        return repr(compression)
+    if isinstance(compression, str) and compression in WIRE_DTYPES:
+        return compression
+    raise UsageError(
+        f"compression must be None, 'bf16', 'fp16' or a gradsync.comm.PowerSGD(...), "
+        f"got {compression!r}"
+    )
+
+
+def make_comm_hook(
+    compression: Compression,
+    algorithm: AllReduceAlgorithm,
+    group: dist.ProcessGroup | None,
+    named_params: Sequence[tuple[str, torch.Tensor]],
+) -> CommHook:
+    """The hook for a wrapper's trainable parameters ``named_params`` (in the wrapper's order)."""
+    name = describe_compression(compression)
+    if compression is None:
+        return AllReduceHook(algorithm, group)
+    if algorithm.name != "native":
+        raise UsageError(
+            f"compression={name} runs its own collectives; it needs algorithm='native', "
+            f"got {algorithm.name!r}"
+        )
+    if isinstance(compression, PowerSGD):
+        compression.bind(named_params)
+        return PowerSGDHook(compression, [n for n, _ in named_params], group)
+    return HalfPrecisionHook(name, group)

@@ -1,0 +1,210 @@
+"""PowerSGD: rank-r approximations of the gradient matrices, with error feedback and warm start.
+
+Vogels, Karimireddy & Jaggi, "PowerSGD: Practical Low-Rank Gradient Compression for
+Distributed Optimization", NeurIPS 2019 (Algorithm 1). For each gradient reshaped to an n x m
+matrix ``M`` (this rank's share plus its error from the last step), with ``Q`` (m x r) kept from
+the previous step (warm start):
+
+    P = M Q;  all-reduce P;  P <- orthonormal columns of P
+    Q = M^T P;  all-reduce Q;  approximation A = P Q^T      (of the sum over ranks of M)
+    error <- M - A / N                                      (error feedback)
+
+so each step sends (n + m) r numbers per matrix instead of n m, and what one step leaves out is
+added to the next one's gradient: the sum of the applied updates follows the sum of the true
+gradients. Vectors (biases, norms) and matrices too small to gain ``min_compression_rate``
+travel uncompressed, together with the bucket's used flags and step tags, in the first of the
+two all-reduces of each bucket: those come back exact.
+
+The state (each matrix's ``Q`` and this rank's ``error``) is kept *per parameter*, keyed by
+name, in the :class:`PowerSGD` object the user passes as ``compression=``: it does not depend on
+buckets (torch's PowerSGD hook keys it by bucket index, so a bucket re-plan silently resets or
+mismatches it: pytorch issues #49418, #75666), so it survives ``no_sync()``, a re-wrap with
+another ``bucket_cap_mb`` (pass the same object) and a checkpoint (the wrapper's
+``sync_state_dict()`` carries it; ``error`` differs per rank and is saved per rank).
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from gradsync.comm.algorithm import CommStats, Handle
+from gradsync.comm.compress import all_reduce_wire_bytes
+from gradsync.comm.hook import BucketLike, CommHook, tail
+from gradsync.comm.worker import SerialWorker
+from gradsync.errors import UsageError
+
+
+class PowerSGD:
+    """PowerSGD settings and state; pass it as ``DistributedDataParallel(compression=...)``.
+
+    Args:
+        rank: the rank r of each matrix approximation (Vogels et al. use 1-4).
+        min_compression_rate: compress a matrix only if ``n m >= rate (n + m) r``.
+        start_iter: synchronised steps reduced exactly (plain all-reduce) before compression
+            starts; early training is the most sensitive to approximate gradients.
+        seed: seeds each parameter's initial ``Q`` (the same on every rank).
+
+    One object per model: its state is keyed by parameter name.
+    """
+
+    def __init__(
+        self,
+        rank: int = 4,
+        *,
+        min_compression_rate: float = 2.0,
+        start_iter: int = 0,
+        seed: int = 0,
+    ) -> None:
+        if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
+            raise UsageError(f"PowerSGD rank must be an integer >= 1, got {rank!r}")
+        if not min_compression_rate >= 0:
+            raise UsageError(f"min_compression_rate must be >= 0, got {min_compression_rate!r}")
+        if isinstance(start_iter, bool) or not isinstance(start_iter, int) or start_iter < 0:
+            raise UsageError(f"start_iter must be an integer >= 0, got {start_iter!r}")
+        self.rank = rank
+        self.min_compression_rate = float(min_compression_rate)
+        self.start_iter = start_iter
+        self.seed = seed
+        self.step = 0  # synchronised reductions so far
+        self.q: dict[str, torch.Tensor] = {}  # m x r per compressed matrix, equal on every rank
+        self.error: dict[str, torch.Tensor] = {}  # n x m, this rank's
+
+    def __repr__(self) -> str:
+        return (
+            f"PowerSGD(rank={self.rank}, min_compression_rate={self.min_compression_rate}, "
+            f"start_iter={self.start_iter}, seed={self.seed})"
+        )
+
+    def matrix_shape(self, shape: torch.Size) -> tuple[int, int] | None:
+        """``(n, m)`` of a gradient of ``shape`` if it is compressed, else ``None``."""
+        if len(shape) < 2 or shape.numel() == 0:
+            return None
+        n = shape[0]
+        m = shape.numel() // n
+        r = min(n, m, self.rank)
+        return (n, m) if n * m >= self.min_compression_rate * (n + m) * r else None
+
+    def bind(self, named_params: Sequence[tuple[str, torch.Tensor]]) -> None:
+        """Create the state of every compressed parameter not seen before (kept across
+        re-wraps); a parameter whose shape changed since is refused."""
+        for name, param in named_params:
+            shape = self.matrix_shape(param.shape)
+            if shape is None:
+                continue
+            n, m = shape
+            r = min(n, m, self.rank)
+            if name in self.q:
+                if self.q[name].shape != (m, r) or self.error[name].shape != (n, m):
+                    raise UsageError(
+                        f"PowerSGD holds state for parameter '{name}' of another shape; use a "
+                        "new PowerSGD object for a different model"
+                    )
+                continue
+            g = torch.Generator().manual_seed(self.seed * 1_000_003 + zlib.crc32(name.encode()))
+            q = torch.randn(m, r, generator=g, dtype=torch.float64)
+            self.q[name] = q.to(device=param.device, dtype=param.dtype)
+            self.error[name] = torch.zeros(n, m, device=param.device, dtype=param.dtype)
+
+    def state_dict(self, rank: int) -> dict[str, Any]:
+        """``step`` and ``q`` (the same on every rank) and ``error.rank<r>`` (this rank's):
+        live tensors, keys that a DCP checkpoint of all ranks keeps apart."""
+        return {"step": self.step, "q": dict(self.q), f"error.rank{rank}": dict(self.error)}
+
+    def load_state_dict(self, state: dict[str, Any], rank: int) -> None:
+        self.step = int(state["step"])
+        for target, source in ((self.q, state["q"]), (self.error, state[f"error.rank{rank}"])):
+            for name, value in source.items():
+                if name not in target or target[name].shape != value.shape:
+                    raise UsageError(f"PowerSGD state for '{name}' does not fit this model")
+                if target[name] is not value:
+                    target[name].copy_(value)
+
+
+def orthonormalize(p: torch.Tensor) -> None:
+    """Gram-Schmidt on the columns of ``p`` (n x r, r small) in place; a zero column stays
+    zero (a zero gradient then gives a zero approximation instead of NaN)."""
+    tiny = torch.finfo(p.dtype).tiny
+    for i in range(p.shape[1]):
+        col = p[:, i : i + 1]
+        col.div_(col.norm().clamp_min(tiny))
+        if i + 1 < p.shape[1]:
+            rest = p[:, i + 1 :]
+            rest.sub_(col @ (col.T @ rest))
+
+
+class PowerSGDHook(CommHook):
+    """Reduces one bucket with PowerSGD: two all-reduces, on a worker thread (see
+    [Note: the bucket communication seam], rule 5). ``stats`` counts bytes sent."""
+
+    def __init__(
+        self,
+        config: PowerSGD,
+        names: Sequence[str],
+        group: dist.ProcessGroup | None,
+    ) -> None:
+        self.config = config
+        self.names = list(names)  # of the wrapper's trainable parameters, by index
+        self.group = group
+        self.world_size = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        self.stats = CommStats()
+        self._worker = SerialWorker("gradsync-powersgd")
+
+    def start(self, bucket: BucketLike) -> Handle:
+        return self._worker.submit(lambda: self._reduce(bucket))
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.config.state_dict(self.rank)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.config.load_state_dict(state, self.rank)
+
+    def _all_reduce(self, flat: torch.Tensor) -> None:
+        dist.all_reduce(flat, group=self.group)
+        self.stats.calls += 1
+        nbytes = all_reduce_wire_bytes(flat.numel(), flat.element_size(), self.world_size)
+        self.stats.bytes_sent += nbytes
+        self.stats.bytes_received += nbytes
+
+    def _reduce(self, bucket: BucketLike) -> None:
+        config = self.config
+        if bucket.spec.index == 0:
+            config.step += 1  # this reduction's number: bucket 0 is the first of every step
+        compress = config.step > config.start_iter
+        matrices, plain = [], []
+        for slot, i in enumerate(bucket.spec.param_indices):
+            name, view = self.names[i], bucket.views[slot]
+            if compress and name in config.q:
+                matrices.append((name, view, view.reshape(config.error[name].shape)))
+            else:
+                plain.append(view)
+        ms = [m + config.error[name] for name, _, m in matrices]  # error feedback
+        ps = [m @ config.q[name] for (name, _, _), m in zip(matrices, ms, strict=True)]
+        exact = tail(bucket)
+        first = torch.cat([v.reshape(-1) for v in plain] + [exact] + [p.reshape(-1) for p in ps])
+        self._all_reduce(first)  # uncompressed gradients, flags and tags (exact), and the Ps
+        offset = 0
+        for t in [*plain, exact, *ps]:
+            t.copy_(first[offset : offset + t.numel()].view_as(t))
+            offset += t.numel()
+        if not matrices:
+            return
+        for p in ps:
+            orthonormalize(p)
+        qs = [m.T @ p for m, p in zip(ms, ps, strict=True)]
+        second = torch.cat([q.reshape(-1) for q in qs])
+        self._all_reduce(second)
+        offset = 0
+        for (name, view, _), m, p, q in zip(matrices, ms, ps, qs, strict=True):
+            q.copy_(second[offset : offset + q.numel()].view_as(q))
+            offset += q.numel()
+            approx = p @ q.T
+            view.copy_(approx.view_as(view))
+            config.q[name].copy_(q)  # warm start
+            # Share the residual of the sum equally: the ranks' errors add up to sum(M) - A.
+            torch.sub(m, approx, alpha=1.0 / self.world_size, out=config.error[name])
