@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from gradsync.ddp.buckets import MB, cap_to_bytes, plan_buckets
-from gradsync.ddp.wrapper import strip_prefixes
+from gradsync.ddp.state_keys import strip_prefixes
 
 F32 = torch.float32
 

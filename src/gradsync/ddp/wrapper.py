@@ -7,7 +7,7 @@ Construction makes replicas equal (model check, rank 0 broadcast) and plans the 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
@@ -27,11 +27,11 @@ from gradsync.ddp.param_watch import ParameterWatch
 from gradsync.ddp.reducer import Reducer
 from gradsync.ddp.reduction import Reduction, check_reduction
 from gradsync.ddp.replicas import broadcast_from, check_same_model, describe
+from gradsync.ddp.state_keys import strip_prefixes
 from gradsync.errors import GradsyncError, ProtocolError, UsageError
 from gradsync.mesh.axes import axis_names, data_parallel_group
 from gradsync.mesh.dtensors import grad_layouts, local
 
-_PREFIXES = ("module.", "_orig_mod.")  # added by wrapping in DDP and by torch.compile
 _num_wrappers = 0  # wrappers built in this process: the same sequence on every rank
 
 
@@ -115,11 +115,7 @@ class DistributedDataParallel(nn.Module):
         self._compression_name = describe_compression(compression)
         self.timeout = as_timedelta(timeout)
         self.check_replicas_every = check_replicas_every
-        global _num_wrappers
-        _num_wrappers += 1
-        self._deadline = Deadline.for_group(
-            process_group, self.timeout, f"DistributedDataParallel #{_num_wrappers}"
-        )
+        self._deadline = _new_deadline(process_group, self.timeout)
         # Every setting that changes which collectives run must agree across ranks.
         settings = {
             "bucket_cap_mb": bucket_cap_mb,
@@ -170,24 +166,19 @@ class DistributedDataParallel(nn.Module):
         """Plan the buckets of the trainable parameters and hook them up."""
         watch = ParameterWatch(self.module)
         # named_parameters() already yields a tied parameter once, so it is reduced once.
-        trainable = [p for _, p in watch.named if p.requires_grad]
+        named = [(n, p) for n, p in watch.named if p.requires_grad]
         self.bucket_specs: list[BucketSpec] = plan_buckets(
-            [(local(p).numel(), p.dtype) for p in trainable],
+            [(local(p).numel(), p.dtype) for _, p in named],
             cap_to_bytes(bucket_cap_mb),
             cap_to_bytes(first_bucket_cap_mb),
         )
-        device = local(trainable[0]).device if trainable else torch.device("cpu")
+        device = local(named[0][1]).device if named else torch.device("cpu")
         group = self._deadline.group
         return Reducer(
             watch,
             self.bucket_specs,
             deadline=self._deadline,
-            comm_hook=make_comm_hook(
-                self.compression,
-                self.algorithm,
-                group,
-                [(n, p) for n, p in watch.named if p.requires_grad],
-            ),
+            comm_hook=make_comm_hook(self.compression, self.algorithm, group, named),
             reduction=Reduction(self.reduction, group, device),
             layouts=self._layouts,
             **options,
@@ -365,6 +356,13 @@ class DistributedDataParallel(nn.Module):
             self.reducer.comm_hook.load_state_dict(state["comm"])
 
 
+def _new_deadline(group: dist.ProcessGroup | None, timeout: timedelta) -> Deadline:
+    """The deadline (and private group) of the next wrapper built in this process."""
+    global _num_wrappers
+    _num_wrappers += 1
+    return Deadline.for_group(group, timeout, f"DistributedDataParallel #{_num_wrappers}")
+
+
 def _check_can_wrap(module: nn.Module) -> None:
     """Refuse, before any collective, what cannot be wrapped."""
     if not dist.is_initialized():
@@ -377,27 +375,3 @@ def _check_can_wrap(module: nn.Module) -> None:
             "this module is already a gradsync.DistributedDataParallel; wrap the plain "
             "module once (to re-wrap after changing it, pass wrapper.module)"
         )
-
-
-def strip_prefixes(
-    state_dict: Mapping[str, Any], own_keys: Collection[str] | None = None
-) -> dict[str, Any]:
-    """Drop the ``module.`` / ``_orig_mod.`` prefixes that wrapping added to every key.
-
-    A prefix is a wrapper's only if stripping it makes the keys match the module's own:
-    among the dict as given and each successively stripped version, the one sharing the most
-    keys with ``own_keys`` wins (the least stripped on a tie). So a model whose own child is
-    called ``module`` keeps its real ``module.`` prefix, while ``module.module.`` from wrapping
-    it in torch DDP loses one. Without ``own_keys``, every common prefix is stripped.
-    """
-    versions = [dict(state_dict)]
-    while versions[-1]:
-        keys = versions[-1]
-        prefix = next((p for p in _PREFIXES if all(k.startswith(p) for k in keys)), None)
-        if prefix is None:
-            break
-        versions.append({k[len(prefix) :]: v for k, v in keys.items()})
-    if own_keys is None:
-        return versions[-1]
-    own = set(own_keys)
-    return max(versions, key=lambda version: len(own.intersection(version)))
