@@ -98,7 +98,12 @@ def clip_grad_norm_(
     """``torch.nn.utils.clip_grad_norm_`` when each rank of ``process_group`` holds a different
     part of the gradients: the norm is global (one scalar all-reduce), so every rank scales by
     the same factor and the result equals clipping the unsharded gradients. Returns the total
-    norm. Call it on every rank of the group. ``parameters``' ``.grad`` may be DTensors."""
+    norm. Call it on every rank of the group. ``parameters``' ``.grad`` may be DTensors.
+
+    Unlike torch.distributed's collectives, ``process_group=None`` does not mean the default
+    group: it means the gradients are not sharded (torch's local clipping), because summing
+    replicated gradients over the ranks would overstate the norm by ``sqrt(world_size)``. Pass
+    ``torch.distributed.group.WORLD`` for the default group."""
     if isinstance(parameters, torch.Tensor):
         parameters = [parameters]
     grads = [p.grad for p in parameters if p.grad is not None]

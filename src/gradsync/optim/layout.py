@@ -95,9 +95,7 @@ class ShardLayout:
             return []
         first = self.offsets[param] // self.shard_numel
         last = (self.offsets[param] + self.numels[param] - 1) // self.shard_numel
-        return [
-            (r, p) for r in range(first, last + 1) for p in self.pieces(r) if p.param == param
-        ]
+        return [(r, p) for r in range(first, last + 1) for p in self.pieces(r) if p.param == param]
 
 
 def plan_shards(

@@ -34,8 +34,8 @@ from gradsync.optim.buffers import FlatBucket, check_optimizer_class
 from gradsync.optim.layout import DEFAULT_ALIGN, group_by_dtype, plan_shards
 
 
-def _trainable_groups(params: Any) -> list[dict[str, Any]]:
-    """``params`` as a list of param groups, without parameters that do not require grad."""
+def _param_groups(params: Any) -> list[dict[str, Any]]:
+    """``params`` as a list of param groups (torch's forms: tensors, or dicts)."""
     if isinstance(params, torch.Tensor):
         raise UsageError("params must be an iterable of tensors or of param-group dicts")
     groups = list(params)
@@ -46,9 +46,9 @@ def _trainable_groups(params: Any) -> list[dict[str, Any]]:
         g = dict(g)
         ps = g["params"]
         ps = [ps] if isinstance(ps, torch.Tensor) else list(ps)
-        g["params"] = [p for p in ps if p.requires_grad]
+        g["params"] = ps
         out.append(g)
-    if not any(g["params"] for g in out):
+    if not any(p.requires_grad for g in out for p in g["params"]):
         raise UsageError("ShardedOptimizer got no parameter that requires grad")
     return out
 
@@ -59,9 +59,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
     Shaped like ``torch.distributed.optim.ZeroRedundancyOptimizer``: ``param_groups`` hold the
     full parameters (LR schedulers, ``add_param_group`` and ``zero_grad`` work on them as
     usual; hyper-parameters are copied to the inner optimizer before each step), ``self.optim``
-    is the inner optimizer of this rank's slices. Parameters with ``requires_grad=False`` are
-    skipped. Build it on every rank with the same parameters, in the same order (checked: a
-    mismatch raises ``UsageError`` on every rank), after moving the model to its device.
+    is the inner optimizer of this rank's slices. Parameters with ``requires_grad=False`` stay
+    listed in ``param_groups`` (so state dicts match torch's) but get no slice and no state. Build
+    it on every rank with the same parameters, in the same order (checked: a mismatch raises
+    ``UsageError`` on every rank), after moving the model to its device.
 
     ``optimizer_class`` must be elementwise: SGD (with momentum), Adam, AdamW, Adamax, NAdam,
     RAdam, Adagrad, Adadelta, RMSprop, Rprop and ASGD are; LBFGS, SparseAdam, Adafactor and Muon
@@ -98,7 +99,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._placeholder_state = False  # see state.init_state_for_load
         self._steps = 0  # inner steps taken (the same on every rank)
         self._consolidated: dict[str, Any] | None = None
-        super().__init__(_trainable_groups(params), defaults)
+        super().__init__(_param_groups(params), defaults)
         self.optim: torch.optim.Optimizer = optimizer_class([{"params": []}], **defaults)
         self.optim.param_groups.clear()
         self.defaults = dict(self.optim.defaults)
@@ -112,7 +113,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if not self._built:  # torch.optim.Optimizer.__init__ adds the constructor's groups
             super().add_param_group(param_group)
             return
-        (group,) = _trainable_groups([param_group])
+        (group,) = _param_groups([param_group])
         super().add_param_group(group)
         self._add_groups(self.param_groups[-1:], None)
 
@@ -125,7 +126,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
             members = self._explicit_buckets(buckets)
         else:
             members = [
-                [g["params"][i] for i in b] for g in groups for b in group_by_dtype(g["params"])
+                [trainable[i] for i in b]
+                for g in groups
+                for trainable in [[p for p in g["params"] if p.requires_grad]]
+                for b in group_by_dtype(trainable)
             ]
         self._check_same_everywhere(members)
         layouts = plan_shards(
@@ -146,7 +150,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 g.setdefault(k, v)  # the inner optimizer's defaults, visible to schedulers
 
     def _explicit_buckets(self, buckets: Sequence[Sequence[torch.Tensor]]) -> list[list[Any]]:
-        trainable = {id(p): p for g in self.param_groups for p in g["params"]}
+        trainable = {id(p): p for g in self.param_groups for p in g["params"] if p.requires_grad}
         seen: set[int] = set()
         members = []
         for bi, bucket in enumerate(buckets):
@@ -210,12 +214,26 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._check_frozen_have_no_grad()
         for b in self.buckets:
             b.check_params("ShardedOptimizer.step")
             b.attach_param_grads()
         self._step_inner()
         self.all_gather_params()
         return loss
+
+    def _check_frozen_have_no_grad(self) -> None:
+        """A parameter frozen at construction is in no bucket: if it has a gradient now
+        (``requires_grad`` turned on later) it would silently never train."""
+        bucketed = {id(p) for b in self.buckets for p in b.params}
+        for gi, g in enumerate(self.param_groups):
+            for pi, p in enumerate(g["params"]):
+                if p.grad is not None and id(p) not in bucketed:
+                    raise UsageError(
+                        f"parameter {pi} of param group {gi} (shape {list(p.shape)}) has a "
+                        f"gradient but did not require grad when ShardedOptimizer was built, so "
+                        f"it has no slice to train; build the optimizer after unfreezing it"
+                    )
 
     @torch.no_grad()
     def step_from_shards(
@@ -287,7 +305,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 if g is not None:
                     grads.append(g.reshape(-1)[pc.start : pc.end])
         device = self.buckets[0].data.device
-        total = clip.total_norm(grads, norm_type, process_group=self.process_group, device=device)
+        # None means "this rank's alone" to clip.total_norm, "the default group" here.
+        group = self.process_group if self.process_group is not None else dist.group.WORLD
+        total = clip.total_norm(grads, norm_type, process_group=group, device=device)
         full = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
         clip.clip_grads_with_norm_(full, max_norm, total)
         return total

@@ -110,19 +110,20 @@ def _per_element(key: str, value: Any, numel: int) -> bool:
     )
 
 
-Owned = tuple[torch.Tensor, FlatBucket, int, "Piece | None", Any]
+Owned = tuple[torch.Tensor, "FlatBucket | None", int, "Piece | None", Any]
 
 
 def _owned(opt: ShardedOptimizer) -> list[Owned]:
     """For every parameter in torch's state-dict order (groups in order): the parameter, its
     bucket and position there, this rank's piece of it and the piece's slice (or ``None``)."""
-    where: dict[int, tuple[FlatBucket, int, Piece | None, Any]] = {}
+    where: dict[int, tuple[FlatBucket | None, int, Piece | None, Any]] = {}
     for b in opt.buckets:
         for i, p in enumerate(b.params):
             where[id(p)] = (b, i, None, None)
         for pc, s in zip(b.pieces, b.slices, strict=True):
             where[id(b.params[pc.param])] = (b, pc.param, pc, s)
-    return [(p, *where[id(p)]) for g in opt.param_groups for p in g["params"]]
+    frozen = (None, -1, None, None)  # requires_grad=False at construction: no slice
+    return [(p, *where.get(id(p), frozen)) for g in opt.param_groups for p in g["params"]]
 
 
 def _hyper_groups(opt: ShardedOptimizer) -> list[dict[str, Any]]:
@@ -218,7 +219,7 @@ def consolidate(opt: ShardedOptimizer, to: int) -> dict[str, Any] | None:
     schemas = _schemas(opt)
     full: dict[int, dict[str, Any]] = {}
     for k, ((p, b, i, pc, s), schema) in enumerate(zip(owned, schemas, strict=True)):
-        if schema is None:
+        if schema is None or b is None:
             continue
         entry: dict[str, Any] = {}
         for key, (kind, info) in sorted(schema.items()):
