@@ -298,12 +298,32 @@ def _clip_function(rank: int, world: int) -> dict[str, Any]:
     return out
 
 
+def _clip_dtensors(world: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """DTensor gradients (one sharded over the mesh, one replicated): each counted once."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    a, b = _dtensor_grads()
+    pa, pb = nn.Parameter(torch.zeros_like(a)), nn.Parameter(torch.zeros_like(b))
+    pa.grad = distribute_tensor(a, mesh, [Shard(0)])
+    pb.grad = distribute_tensor(b, mesh, [Replicate()])
+    total = gradsync.clip_grad_norm_([pa, pb], 0.5)
+    return total, pa.grad.full_tensor(), pb.grad.full_tensor()
+
+
+def _dtensor_grads() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    return torch.randn(8, 3, generator=g), torch.randn(5, generator=g)
+
+
 def _run(rank: int, world: int, path: str, save: bool) -> dict[str, Any]:
     results: dict[str, Any] = {c: _train_case(c, rank, world) for c in CASES}
     results["consolidated"] = _consolidated(rank, world)
     results["full_load"] = _full_load(rank, world)
     results["dcp"] = _dcp_save(rank, world, path) if save else _dcp_load(rank, world, path)
     results["clip_function"] = _clip_function(rank, world)
+    results["clip_dtensor"] = _clip_dtensors(world)
     if world > 1:
         results["bad_input"] = _bad_input(rank, world)
     return results
@@ -387,6 +407,16 @@ def _check_state_dicts(world: int, per_rank: list[dict[str, Any]], tol: float) -
 
 
 def _check_clip_function(world: int, per_rank: list[dict[str, Any]]) -> None:
+    params = [nn.Parameter(torch.zeros_like(t)) for t in _dtensor_grads()]
+    for p, t in zip(params, _dtensor_grads(), strict=True):
+        p.grad = t
+    expected_dt = torch.nn.utils.clip_grad_norm_(params, 0.5)
+    for rank, results in enumerate(per_rank):
+        total, ga, gb = results["clip_dtensor"]
+        # Per-shard norms combined in another order than torch's: a few ulps.
+        assert abs(total.item() - expected_dt.item()) <= 1e-6 * expected_dt.item(), rank
+        assert torch.allclose(ga, params[0].grad, rtol=1e-6, atol=0), rank
+        assert torch.allclose(gb, params[1].grad, rtol=1e-6, atol=0), rank
     g = torch.Generator().manual_seed(5)
     whole = [torch.randn(7, 5, generator=g), torch.randn(3, generator=g)]
     for norm_type in (2.0, 1.0, float("inf")):
