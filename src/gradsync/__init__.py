@@ -16,6 +16,7 @@ from gradsync.errors import (
     UnusedParametersError,
     UsageError,
 )
+from gradsync.optim import ShardedOptimizer, clip_grad_norm_
 
 __version__ = "0.1.0"
 
@@ -30,8 +31,10 @@ __all__ = [
     "ParametersChangedError",
     "ProtocolError",
     "ReplicaMismatchError",
+    "ShardedOptimizer",
     "UnusedParametersError",
     "UsageError",
     "any_rank",
     "average_gradients",
+    "clip_grad_norm_",
 ]

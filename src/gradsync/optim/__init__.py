@@ -1,0 +1,22 @@
+"""Sharded optimizers: ZeRO stage 1 over the data-parallel ranks (see ``sharded.py``).
+
+layout.py    where each rank's slice of every flat bucket lies (pure planning)
+buffers.py   the flat parameter buffer of a bucket; which optimizer classes are elementwise
+sharded.py   ShardedOptimizer: the torch.optim.Optimizer users build
+clip.py      clipping by the global norm of gradients spread over ranks
+state.py     sharded (DCP, reshards) and full (consolidated) state dicts
+"""
+
+from gradsync.optim.clip import clip_grad_norm_
+from gradsync.optim.layout import Piece, ShardLayout, plan_shards
+from gradsync.optim.sharded import ShardedOptimizer
+from gradsync.optim.state import StateShard
+
+__all__ = [
+    "Piece",
+    "ShardLayout",
+    "ShardedOptimizer",
+    "StateShard",
+    "clip_grad_norm_",
+    "plan_shards",
+]
