@@ -114,16 +114,19 @@ class Bucket:
         params: Sequence[nn.Parameter],
         num_tags: int = 0,
         layouts: Sequence[GradLayout | None] | None = None,
+        padded_numel: int | None = None,
     ) -> None:
         self.spec = spec
         self.params = list(params)
         self.layouts = list(layouts) if layouts is not None else [None] * len(self.params)
         device = self.params[0].device
         n_flags = len(params)
-        self.buffer = torch.zeros(spec.numel + n_flags + num_tags, dtype=spec.dtype, device=device)
-        self.grads = self.buffer[: spec.numel]
-        self.used_flags = self.buffer[spec.numel : spec.numel + n_flags]
-        self.tags = self.buffer[spec.numel + n_flags :]  # see [Note: step tags]
+        # A reduce-scatter needs equal slices: zeros pad the gradients (``optim/layout.py``).
+        n = spec.numel if padded_numel is None else padded_numel
+        self.buffer = torch.zeros(n + n_flags + num_tags, dtype=spec.dtype, device=device)
+        self.grads = self.buffer[:n]
+        self.used_flags = self.buffer[n : n + n_flags]
+        self.tags = self.buffer[n + n_flags :]  # see [Note: step tags]
         self.views = [
             self.buffer[off : off + local(p).numel()].view(local(p).shape)
             for off, p in zip(spec.offsets, self.params, strict=True)

@@ -24,6 +24,7 @@ not either), so a mismatch is confirmed with exact checksums before anything is 
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 
 from torch import nn
 from torch.nn.modules import module as torch_module
@@ -51,6 +52,9 @@ class ParameterWatch:
         self._generation = _generation
         self._wrapped_ids = [id(p) for _, p in self.named]
         self._walked_ids = self._wrapped_ids
+        # Where in-place updates are not the same on every rank (a sharded optimizer steps a
+        # different number of slices on each), a count of steps that is: see optim/overlap.py.
+        self.count_updates: Callable[[], int] | None = None
         self._version_base = self.version_sum()
 
     def changes(self) -> list[str]:
@@ -88,6 +92,8 @@ class ParameterWatch:
         return [p for _, p in self.named]
 
     def version_sum(self) -> int:
+        if self.count_updates is not None:
+            return self.count_updates()
         return sum(p._version for _, p in self.named)
 
     def updates_since_wrapping(self) -> int:

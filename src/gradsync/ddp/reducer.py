@@ -25,6 +25,7 @@ from __future__ import annotations
 import enum
 import weakref
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 from torch.utils.hooks import RemovableHandle
@@ -34,6 +35,7 @@ from gradsync.ddp.buckets import Bucket, BucketSpec
 from gradsync.ddp.deadline import Deadline
 from gradsync.ddp.param_watch import ParameterWatch
 from gradsync.ddp.reduction import Reduction
+from gradsync.ddp.results import read_results
 from gradsync.ddp.step_checks import (
     check_tags,
     nonfinite_params,
@@ -46,10 +48,12 @@ from gradsync.ddp.step_tags import (
     PARAMS_CHANGED,
     StepTag,
     TagSlots,
-    decode,
 )
 from gradsync.errors import GradsyncError, ProtocolError
 from gradsync.mesh.dtensors import GradLayout
+
+if TYPE_CHECKING:
+    from gradsync.optim.overlap import GradientShards
 
 # id(parameter) -> the reducer whose hooks it carries. Wrapping parameters again retires the
 # old reducer (removes its hooks): a re-wrap works, and the old wrapper says so if used.
@@ -84,6 +88,7 @@ class Reducer:
         gradient_as_bucket_view: bool,
         check_finite: bool = False,
         layouts: Sequence[GradLayout | None] = (),
+        sharding: GradientShards | None = None,
     ) -> None:
         # named_parameters() yields a tied parameter once, so it is reduced once.
         trainable = [(n, p) for n, p in watch.named if p.requires_grad]
@@ -102,12 +107,14 @@ class Reducer:
         self.rank = deadline.rank
         num_tags = NUM_FIELDS * self.world_size  # in the first bucket only: [Note: step tags]
         layouts = list(layouts) or [None] * len(self.params)  # DTensor parameters only
+        self.sharding = sharding  # see [Note: sharded steps in the wrapper]
         self.buckets = [
             Bucket(
                 s,
                 [self.params[i] for i in s.param_indices],
                 num_tags * (b == 0),
                 [layouts[i] for i in s.param_indices],
+                sharding.padded_numels[b] if sharding is not None else None,
             )
             for b, s in enumerate(specs)
         ]
@@ -293,7 +300,9 @@ class Reducer:
         try:
             self._launch_remaining(zeros=shadow)
             self._wait_all()
-            counts, finite, total_items, tags = self._read_results()
+            counts, finite, total_items, tags = read_results(
+                self.buckets, self.check_finite, self.reduction, self.world_size
+            )
             if tags is not None:
                 windows = not self.reduction.counts_items  # see step_tags.find_desync
                 check_tags(
@@ -307,9 +316,13 @@ class Reducer:
                 raise_if_unused(
                     specs, counts, self.names, self.used, self.num_active, self.deadline
                 )
-            self.reduction.post_divide([b.grads for b in self.buckets], total_items)
-            if write_back:
-                self._write_back(counts)
+            if self.sharding is None:
+                self.reduction.post_divide([b.grads for b in self.buckets], total_items)
+                if write_back:
+                    self._write_back(counts)
+            else:  # each rank holds its shard of the reduced gradients, not .grad
+                self.reduction.post_divide(self.sharding.grad_shards, total_items)
+                self.sharding.receive(self.buckets, counts)
             self.num_reductions += 1
         except GradsyncError as exc:
             self.deadline.record_error(exc)
@@ -337,41 +350,6 @@ class Reducer:
             assert bucket.work is not None
             what = f"the all-reduce of bucket {bucket.spec.index} ({step})"
             self.deadline.wait(bucket.work, what, host_deadline=self.host_deadline)
-
-    def _read_results(
-        self,
-    ) -> tuple[list[list[float]], list[float] | None, float, list[StepTag | None] | None]:
-        """(used counts per bucket, finite flag per bucket or None, global item count, every
-        rank's step tag or None).
-
-        One device-to-host read for all of it: on CUDA a sync point, so only one per step.
-        """
-        flags = [b.used_flags for b in self.buckets]
-        parts = []
-        if flags:  # one cat per dtype, not one conversion per bucket (hundreds with cap 0)
-            same = len({f.dtype for f in flags}) == 1
-            parts.append(torch.cat(flags if same else [f.double() for f in flags]))
-            parts.append(self.buckets[0].tags)
-        if self.check_finite and self.buckets:
-            parts.append(torch.stack([torch.isfinite(b.grads).all() for b in self.buckets]))
-        if self.reduction.counts_items:
-            parts.append(self.reduction.total_items)
-        flat = torch.cat([p.to(torch.float64) for p in parts]).tolist() if parts else []
-        counts, start = [], 0
-        for bucket in self.buckets:
-            counts.append(flat[start : start + len(bucket.params)])
-            start += len(bucket.params)
-        tags = None
-        if self.buckets:
-            num_tags = self.buckets[0].tags.numel()
-            tags = decode(flat[start : start + num_tags], self.world_size)
-            start += num_tags
-        finite = None
-        if self.check_finite:
-            finite = flat[start : start + len(self.buckets)]
-            start += len(self.buckets)
-        total_items = flat[start] if self.reduction.counts_items else 0.0
-        return counts, finite, total_items, tags
 
     def _reset(self) -> None:
         for bucket in self.buckets:

@@ -31,6 +31,8 @@ from gradsync.ddp.state_keys import strip_prefixes
 from gradsync.errors import GradsyncError, ProtocolError, UsageError
 from gradsync.mesh.axes import axis_names, data_parallel_group
 from gradsync.mesh.dtensors import grad_layouts, local
+from gradsync.optim.overlap import attach_sharded_optimizer
+from gradsync.optim.sharded import ShardedOptimizer
 
 _num_wrappers = 0  # wrappers built in this process: the same sequence on every rank
 
@@ -161,7 +163,7 @@ class DistributedDataParallel(nn.Module):
         self,
         bucket_cap_mb: float | None,
         first_bucket_cap_mb: float | None,
-        **options: bool,
+        **options: Any,
     ) -> Reducer:
         """Plan the buckets of the trainable parameters and hook them up."""
         watch = ParameterWatch(self.module)
@@ -243,6 +245,7 @@ class DistributedDataParallel(nn.Module):
         Compares parameters, and buffers too when ``broadcast_buffers=False`` (with it, buffers
         are rank 0's at every forward and legitimately differ in between).
         """
+        self._parameters_ready()
         named: list[tuple[str, torch.Tensor]] = list(self.module.named_parameters())
         if not self.broadcast_buffers:
             named += list(self.module.named_buffers())
@@ -270,6 +273,7 @@ class DistributedDataParallel(nn.Module):
             raise
         try:
             protocol.serve_until_done(self.reducer, optimizer, self._broadcast_buffers)
+            self._parameters_ready()
             src = protocol.authoritative_rank()
             broadcast_from(
                 [p.data for p in self.module.parameters()] + self._buffers_to_sync,
@@ -295,6 +299,21 @@ class DistributedDataParallel(nn.Module):
         finally:
             self._require_sync = previous
 
+    def shard_optimizer(
+        self, optimizer_class: type[torch.optim.Optimizer], **defaults: Any
+    ) -> ShardedOptimizer:
+        """ZeRO-1: an ``optimizer_class(**defaults)`` whose state is sharded over the ranks,
+        fed by reduce-scattered buckets, its parameters all-gathered during the next forward
+        (see [Note: sharded steps in the wrapper] in ``gradsync/optim/overlap.py``). The same
+        bytes on the wire as plain data parallelism; ``.grad`` stays ``None``: clip with
+        ``opt.clip_grad_norm_``. Call it on every rank, once, before the first forward."""
+        return attach_sharded_optimizer(self, optimizer_class, defaults)
+
+    def _parameters_ready(self) -> None:
+        """Wait for a sharded optimizer's parameter all-gathers (a no-op otherwise)."""
+        if self.reducer.sharding is not None:
+            self.reducer.sharding.wait_all()
+
     def register_comm_hook(self, state: object, hook: Callable[..., Any]) -> None:
         """Run torch's DDP communication hook ``hook(state, bucket) -> Future[Tensor]`` (e.g.
         from ``torch.distributed.algorithms.ddp_comm_hooks``) on every bucket, as
@@ -313,6 +332,7 @@ class DistributedDataParallel(nn.Module):
 
     # -- checkpoints: keys are the unwrapped module's --------------------------------------
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
+        self._parameters_ready()
         return self.module.state_dict(*args, **kwargs)
 
     def load_state_dict(

@@ -52,7 +52,8 @@ def total_norm(
     device: torch.device | None = None,
 ) -> torch.Tensor:
     """The ``norm_type``-norm of all of ``grads`` over every rank of ``process_group`` (each
-    rank passing the tensors it holds; ``None``: this rank's alone), as an fp32 scalar."""
+    rank passing the tensors it holds; ``None``: this rank's alone), as a scalar of the
+    gradients' dtype (as torch's ``clip_grad_norm_`` returns; summed in fp64 meanwhile)."""
     norm_type = _check_norm_type(norm_type)
     grads = list(grads)
     plain = [g for g in grads if not isinstance(g, DTensor)]
@@ -75,7 +76,7 @@ def total_norm(
     total = _combine([local, *from_dtensors], norm_type, device)
     if norm_type != math.inf:
         total = total ** (1.0 / pw)
-    return total.float()
+    return total.to(grads[0].dtype if grads else torch.float32)
 
 
 def clip_grads_with_norm_(

@@ -99,6 +99,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._placeholder_state = False  # see state.init_state_for_load
         self._steps = 0  # inner steps taken (the same on every rank)
         self._consolidated: dict[str, Any] | None = None
+        # Set when DistributedDataParallel.shard_optimizer built this optimizer: gradients come
+        # as reduce-scattered shards, parameters are gathered before the next forward.
+        self._attached: Any = None  # optim/overlap.GradientShards
         super().__init__(_param_groups(params), defaults)
         self.optim: torch.optim.Optimizer = optimizer_class([{"params": []}], **defaults)
         self.optim.param_groups.clear()
@@ -214,6 +217,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if self._attached is not None:  # see [Note: sharded steps in the wrapper]
+            self._attached.step()
+            return loss
         self._check_frozen_have_no_grad()
         for b in self.buckets:
             b.check_params("ShardedOptimizer.step")
@@ -298,6 +304,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """Clip the parameters' ``.grad`` by their global norm, like
         ``torch.nn.utils.clip_grad_norm_`` on every parameter, computed from this rank's slices
         only (each element counted once over the group) plus one scalar all-reduce."""
+        if self._attached is not None:  # the shards are the gradient: see optim/overlap.py
+            return self._attached.clip_grad_norm_(max_norm, norm_type)
         grads = []
         for b in self.buckets:
             for pc in b.pieces:

@@ -1,0 +1,52 @@
+"""What every rank reads after a step's reduction: one device-to-host copy for all of it.
+
+The used counts ([Note: used flags] in ``reducer.py``), every rank's step tag ([Note: step
+tags] in ``step_tags.py``), the finite flag of each bucket (``check_finite``) and the global item
+count (``item_mean``) are concatenated and read in one ``tolist()``: on CUDA each read is a sync
+point, so there is one per step, not one per bucket (hundreds with ``bucket_cap_mb=0``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from gradsync.ddp.buckets import Bucket
+from gradsync.ddp.reduction import Reduction
+from gradsync.ddp.step_tags import StepTag, decode
+
+Results = tuple[list[list[float]], list[float] | None, float, list[StepTag | None] | None]
+
+
+def read_results(
+    buckets: Sequence[Bucket], check_finite: bool, reduction: Reduction, world_size: int
+) -> Results:
+    """(used counts per bucket, finite flag per bucket or None, global item count, every rank's
+    step tag or None)."""
+    flags = [b.used_flags for b in buckets]
+    parts = []
+    if flags:  # one cat per dtype, not one conversion per bucket
+        same = len({f.dtype for f in flags}) == 1
+        parts.append(torch.cat(flags if same else [f.double() for f in flags]))
+        parts.append(buckets[0].tags)
+    if check_finite and buckets:
+        parts.append(torch.stack([torch.isfinite(b.grads).all() for b in buckets]))
+    if reduction.counts_items:
+        parts.append(reduction.total_items)
+    flat = torch.cat([p.to(torch.float64) for p in parts]).tolist() if parts else []
+    counts, start = [], 0
+    for bucket in buckets:
+        counts.append(flat[start : start + len(bucket.params)])
+        start += len(bucket.params)
+    tags = None
+    if buckets:
+        num_tags = buckets[0].tags.numel()
+        tags = decode(flat[start : start + num_tags], world_size)
+        start += num_tags
+    finite = None
+    if check_finite:
+        finite = flat[start : start + len(buckets)]
+        start += len(buckets)
+    total_items = flat[start] if reduction.counts_items else 0.0
+    return counts, finite, total_items, tags

@@ -1,0 +1,182 @@
+"""ZeRO-1 inside ``DistributedDataParallel``: gradients reduce-scattered into each rank's shard
+during backward, updated parameters all-gathered while the next forward runs.
+
+[Note: sharded steps in the wrapper]
+``opt = model.shard_optimizer(torch.optim.AdamW, lr=...)`` builds a :class:`ShardedOptimizer`
+whose flat buckets are the wrapper's gradient buckets, parameter for parameter, padded to equal
+slices (``layout.py``). Then, per bucket:
+
+1. Backward: when the bucket is full, a ``reduce_scatter`` leaves on each rank the sum of its
+   own slice only (pre-divided as the reduction says, like the all-reduce it replaces), and an
+   exact ``all_reduce`` of the bucket's tail (used flags and step tags, a few numbers per
+   parameter) keeps every check of the reducer working unchanged.
+2. ``opt.step()``: the inner optimizer steps this rank's slices from those shards, then one
+   ``all_gather`` per bucket is *started* and the step returns.
+3. Next forward: a forward pre-hook on each module waits for the all-gathers of the buckets
+   holding its parameters, just before it runs, so the gathers of later layers overlap the
+   forward of earlier ones (Megatron-LM's ``overlap_param_gather``).
+
+Bytes per rank: the reduce-scatter and the all-gather each move ``(d-1)/d`` of the bucket, the
+same ``2(d-1)/d`` as the ring all-reduce they replace. ``.grad`` is left ``None`` after a sharded
+backward: the full reduced gradient exists nowhere (that is the memory saving), and this
+rank's local gradient must not be mistaken for it; clip with ``opt.clip_grad_norm_``. Anything
+that reads parameters between ``step()`` and the next forward (``state_dict()``,
+``check_replicas()``, a checkpoint) waits for the gathers first: :meth:`GradientShards.wait_all`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from gradsync.comm import CommHook, Handle
+from gradsync.comm.hook import BucketLike, tail
+from gradsync.ddp.deadline import Deadline
+from gradsync.errors import ProtocolError, UsageError
+from gradsync.optim.sharded import ShardedOptimizer
+
+
+class _Both:
+    """The handle of a bucket's two collectives (its slice and its exact tail)."""
+
+    def __init__(self, *works: Any) -> None:
+        self.works = works
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        for work in self.works:
+            work.wait(timeout) if timeout is not None else work.wait()
+        return True
+
+
+class _ReduceScatterHook(CommHook):
+    """Bucket ``i``: reduce-scatter its gradients into ``shards[i]``, all-reduce its tail."""
+
+    def __init__(self, shards: Sequence[torch.Tensor], group: dist.ProcessGroup) -> None:
+        self.shards = shards
+        self.group = group
+
+    def start(self, bucket: BucketLike) -> Handle:
+        grads = bucket.grads  # padded to the optimizer's equal slices
+        out = self.shards[bucket.spec.index]
+        scatter = dist.reduce_scatter_single(out, grads, group=self.group, async_op=True)
+        exact = dist.all_reduce(tail(bucket), group=self.group, async_op=True)
+        return _Both(scatter, exact)
+
+
+class GradientShards:
+    """This rank's shard of every bucket's reduced gradient, and the parameter all-gathers."""
+
+    def __init__(self, optimizer: ShardedOptimizer, deadline: Deadline, module: nn.Module) -> None:
+        assert deadline.group is not None
+        self.optimizer = optimizer
+        self.deadline = deadline
+        self.grad_shards = [torch.zeros_like(b.shard) for b in optimizer.buckets]
+        self.padded_numels = [b.layout.padded_numel for b in optimizer.buckets]
+        self.hook = _ReduceScatterHook(self.grad_shards, deadline.group)
+        self._unused: list[torch.Tensor] = []  # no gradient on any rank this step: not stepped
+        self._gathers: list[Any] = []  # per bucket, until waited for (None: done)
+        self._step = 0
+        bucket_of = {id(p): b.index for b in optimizer.buckets for p in b.params}
+        self._hooks = []
+        for m in module.modules():
+            mine = sorted(
+                {bucket_of[id(p)] for p in m.parameters(recurse=False) if id(p) in bucket_of}
+            )
+            if mine:
+                self._hooks.append(m.register_forward_pre_hook(self._waiter(mine)))
+        optimizer._attached = self
+
+    def receive(self, buckets: Sequence[Any], counts: Sequence[Sequence[float]]) -> None:
+        """After a sharded reduction: note what to skip and clear ``.grad`` (see the Note)."""
+        self._unused = [
+            p
+            for b, c in zip(buckets, counts, strict=True)
+            for p, n in zip(b.params, c, strict=True)
+            if n == 0
+        ]
+        for b in buckets:
+            for p in b.params:
+                p.grad = None
+
+    @torch.no_grad()
+    def step(self) -> None:
+        """Step this rank's slices from the reduced shards; start the parameter all-gathers."""
+        self.wait_all()
+        self.optimizer.step_from_shards(self.grad_shards, skip=self._unused)
+        self._step += 1
+        self._gathers = list(self.optimizer.all_gather_params(async_op=True))
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the reduced gradient by its global norm, from the shards (padding is zero)."""
+        from gradsync.optim import clip
+
+        total = clip.total_norm(
+            list(self.grad_shards), norm_type, process_group=self.deadline.group,
+            device=self.grad_shards[0].device,
+        )  # fmt: skip
+        clip.clip_grads_with_norm_(list(self.grad_shards), max_norm, total)
+        return total
+
+    def wait_bucket(self, index: int) -> None:
+        if index < len(self._gathers) and self._gathers[index] is not None:
+            work = self._gathers[index]
+            self._gathers[index] = None
+            assert work is not None
+            self.deadline.wait(work, f"the all-gather of bucket {index}'s parameters")
+
+    def wait_all(self) -> None:
+        for index in range(len(self._gathers)):
+            self.wait_bucket(index)
+
+    def _waiter(self, indices: list[int]) -> Callable[..., None]:
+        def wait_before_forward(module: nn.Module, args: Any) -> None:
+            for index in indices:
+                self.wait_bucket(index)
+
+        return wait_before_forward
+
+    def updates(self) -> int:
+        """Optimizer steps taken: the same on every rank (for the step tags)."""
+        return self._step
+
+
+def attach_sharded_optimizer(
+    wrapper: Any, optimizer_class: type[torch.optim.Optimizer], defaults: dict[str, Any]
+) -> ShardedOptimizer:
+    """``DistributedDataParallel.shard_optimizer``: build the optimizer on the wrapper's buckets
+    and give the wrapper a reducer that reduce-scatters into its shards."""
+    from gradsync.ddp.param_watch import ParameterWatch
+    from gradsync.ddp.reducer import Reducer
+
+    old = wrapper.reducer
+    if wrapper._forward_ran or old.sharding is not None:
+        raise ProtocolError("shard_optimizer() must be called once, before the first forward")
+    unsupported = {
+        "algorithm": wrapper.algorithm.name != "native",
+        "compression": wrapper.compression is not None or wrapper._torch_hook is not None,
+        "check_finite": old.check_finite,
+        "DTensor parameters": any(layout is not None for layout in wrapper._layouts),
+    }
+    if any(unsupported.values()):
+        bad = ", ".join(k for k, v in unsupported.items() if v)
+        raise UsageError(f"shard_optimizer() does not support {bad} yet")
+    params = old.params
+    deadline = wrapper._deadline
+    buckets = [[params[i] for i in spec.param_indices] for spec in wrapper.bucket_specs]
+    opt = ShardedOptimizer(
+        params, optimizer_class, process_group=deadline.group, buckets=buckets, **defaults
+    )
+    shards = GradientShards(opt, deadline, wrapper.module)
+    watch = ParameterWatch(wrapper.module)
+    watch.count_updates = shards.updates  # each rank steps a different number of slices
+    wrapper.reducer = Reducer(
+        watch, wrapper.bucket_specs, deadline=deadline, comm_hook=shards.hook,
+        reduction=old.reduction, find_unused_parameters=old.find_unused_parameters,
+        gradient_as_bucket_view=old.gradient_as_bucket_view, sharding=shards,
+    )  # fmt: skip
+    return opt
