@@ -138,11 +138,37 @@ def _clipped(mesh: Any, sharded: bool) -> dict[str, torch.Tensor]:
     return _params(ddp)
 
 
-def _run(rank: int, world: int, layout: Layout) -> dict[str, Any]:
+def _resumed(mesh: Any, folder: str) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Train 2 steps, save with the Checkpointer (sync, then async), train 2 more; then a fresh
+    wrapper and sharded optimizer load the checkpoint and train the same 2 steps."""
+    from gradsync.checkpoint import Checkpointer
+
+    data = batches(masked=False)
+    runs = []
+    for resume in (False, True):
+        ddp = _wrap(mesh, SMALL_CAP_MB, "mean", seed=0 if not resume else 5)
+        opt = ddp.shard_optimizer(torch.optim.AdamW, **ADAMW)
+        ckpt = Checkpointer(folder, model=ddp, optimizer=opt, timeout=60)
+        if resume:
+            assert ckpt.load() == 2
+        else:
+            mesh_run.train(ddp, opt, data[:1], mesh)
+            ckpt.async_save(1)
+            mesh_run.train(ddp, opt, data[1:2], mesh)
+            ckpt.wait()
+            ckpt.save(2)
+        mesh_run.train(ddp, opt, data[2:], mesh)
+        runs.append(_params(ddp))
+    return runs[0], runs[1]
+
+
+def _run(rank: int, world: int, layout: Layout, folder: str | None) -> dict[str, Any]:
     mesh = layout.build_mesh()
     out: dict[str, Any] = {case[0]: _train_case(mesh, case) for case in CASES}
     out["clip_sharded"] = _clipped(mesh, sharded=True)
     out["clip_plain"] = _clipped(mesh, sharded=False)
+    if folder is not None:
+        out["resume"] = _resumed(mesh, folder)
     return out
 
 
@@ -155,9 +181,14 @@ TOL = 1e-12
 
 @pytest.mark.parametrize("name", ["dp2", "dp3", "dp2_cp2"])
 @pytest.mark.timeout(300)
-def test_sharded_optimizer_in_the_wrapper_equals_one_process(name: str) -> None:
+def test_sharded_optimizer_in_the_wrapper_equals_one_process(name: str, tmp_path: Any) -> None:
     layout = {"dp2": Layout(dp=2), "dp3": Layout(dp=3), "dp2_cp2": Layout(dp=2, cp=2)}[name]
-    results = spawn(_run, layout.world_size, (layout,), timeout_s=280)
+    folder = str(tmp_path / "ckpt") if name == "dp2" else None
+    results = spawn(_run, layout.world_size, (layout, folder), timeout_s=280)
+    for result in results if folder else ():
+        # Resumed from the checkpoint: bit-identical to the run that never stopped.
+        uninterrupted, resumed = result["resume"]
+        assert all(torch.equal(resumed[n], v) for n, v in uninterrupted.items())
     d = layout.dp * layout.cp
     for name_, cls, options, _, reduction, _ in CASES:
         want = mesh_run.train_reference(

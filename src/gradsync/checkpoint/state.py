@@ -26,6 +26,8 @@ from torch.distributed.checkpoint.state_dict import (
 
 from gradsync.checkpoint.rng import get_rng_state, set_rng_state
 from gradsync.ddp.wrapper import DistributedDataParallel
+from gradsync.optim.sharded import ShardedOptimizer
+from gradsync.optim.state import StateShard
 
 
 @dataclass
@@ -44,8 +46,11 @@ class TrainingObjects:
 
     def state_dict(self, rank: int) -> dict[str, Any]:
         """The state to save (live tensors: :func:`snapshot` copies them)."""
-        state: dict[str, Any] = {"model": self.module.state_dict()}
-        if self.optimizer is not None:
+        state: dict[str, Any] = {"model": self.model.state_dict()}  # a wrapper's: keys of
+        # the module's own, after a sharded optimizer's parameter all-gathers
+        if isinstance(self.optimizer, ShardedOptimizer):  # each rank its slices (resharding)
+            state["optimizer"] = self.optimizer.sharded_state_dict()
+        elif self.optimizer is not None:
             state["optimizer"] = get_optimizer_state_dict(self.module, self.optimizer)
         if self.lr_scheduler is not None:
             state["lr_scheduler"] = self.lr_scheduler.state_dict()
@@ -59,8 +64,10 @@ class TrainingObjects:
 
     def load_state_dict(self, state: dict[str, Any], rank: int, where: str) -> None:
         """Put a loaded state back, RNG last (see ``DistributedSampler.call_on_resume``)."""
-        self.module.load_state_dict(state["model"])
-        if self.optimizer is not None:
+        self.model.load_state_dict(state["model"])
+        if isinstance(self.optimizer, ShardedOptimizer):  # DCP loaded into its live slices
+            self.optimizer.load_sharded_state_dict(state["optimizer"])
+        elif self.optimizer is not None:
             set_optimizer_state_dict(self.module, self.optimizer, state["optimizer"])
         if self.lr_scheduler is not None:
             self.lr_scheduler.load_state_dict(state["lr_scheduler"])
@@ -81,6 +88,9 @@ def snapshot(obj: Any, reuse: Any = None) -> Any:
     snapshot, already written) are copied into where shapes and dtypes match: refilling memory
     costs a memcpy, allocating it fresh several times that (page faults), and the copy is the
     training stall."""
+    if isinstance(obj, StateShard):  # a sharded optimizer's range: copy what it carries
+        old_local = reuse.local if isinstance(reuse, StateShard) else None
+        return StateShard(snapshot(obj.local, old_local), obj.shape[0], obj.offset)
     if isinstance(obj, torch.Tensor):
         source = obj.detach()
         if (

@@ -338,6 +338,7 @@ class DistributedDataParallel(nn.Module):
     def load_state_dict(
         self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
     ) -> Any:
+        self._parameters_ready()  # a pending all-gather would overwrite what is loaded
         own_keys = self.module.state_dict(keep_vars=True).keys()
         return self.module.load_state_dict(
             strip_prefixes(state_dict, own_keys), strict=strict, assign=assign
