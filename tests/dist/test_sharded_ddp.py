@@ -179,10 +179,12 @@ def _run(rank: int, world: int, layout: Layout, folder: str | None) -> dict[str,
 TOL = 1e-12
 
 
-@pytest.mark.parametrize("name", ["dp2", "dp3", "dp2_cp2"])
+# World sizes 1-4 of the optimizer itself run in test_sharded_optimizer.py; here the wrapper's
+# path, on a flat group and on a (dp, cp) mesh.
+@pytest.mark.parametrize("name", ["dp2", "dp2_cp2"])
 @pytest.mark.timeout(300)
 def test_sharded_optimizer_in_the_wrapper_equals_one_process(name: str, tmp_path: Any) -> None:
-    layout = {"dp2": Layout(dp=2), "dp3": Layout(dp=3), "dp2_cp2": Layout(dp=2, cp=2)}[name]
+    layout = {"dp2": Layout(dp=2), "dp2_cp2": Layout(dp=2, cp=2)}[name]
     folder = str(tmp_path / "ckpt") if name == "dp2" else None
     results = spawn(_run, layout.world_size, (layout, folder), timeout_s=280)
     for result in results if folder else ():

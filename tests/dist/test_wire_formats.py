@@ -309,16 +309,18 @@ def errors(rank: int, world: int) -> dict[str, str]:
 
 
 def grid(rank: int, world: int, folder: str) -> dict[str, Any]:
-    return {
+    out = {
         "half_bound": half_bound(rank, world),
         "wire_bytes": wire_bytes(rank, world),
         "flags_exact": flags_exact(rank, world),
-        "error_feedback": error_feedback(rank, world),
-        "no_sync_and_rewrap": no_sync_and_rewrap(rank, world),
-        "checkpoint": checkpoint_resume(rank, world, folder),
-        "torch_hooks": torch_hooks(rank, world),
-        "errors": errors(rank, world) if world == 2 else {},
     }
+    if world == 2:  # what does not depend on the world size runs once
+        out["error_feedback"] = error_feedback(rank, world)
+        out["no_sync_and_rewrap"] = no_sync_and_rewrap(rank, world)
+        out["checkpoint"] = checkpoint_resume(rank, world, folder)
+        out["torch_hooks"] = torch_hooks(rank, world)
+        out["errors"] = errors(rank, world)
+    return out
 
 
 # -- the asserts ----------------------------------------------------------------------------------
@@ -434,9 +436,9 @@ def test_wire_formats(world: int, tmp_path: Path) -> None:
     check_half_bound(results, world)
     check_wire_bytes(results, world)
     check_flags(results, world)
-    check_error_feedback(results)
-    check_state_kept(results, world)
-    check_torch_hooks(results)
     if world == 2:
+        check_error_feedback(results)
+        check_state_kept(results, world)
+        check_torch_hooks(results)
         check_errors(results)
-    assert math.isfinite(results[0]["error_feedback"]["gaps"][-1])
+        assert math.isfinite(results[0]["error_feedback"]["gaps"][-1])

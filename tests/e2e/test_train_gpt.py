@@ -53,7 +53,7 @@ def test_train_3d_matches_single_process(tmp_path: Path) -> None:
     env = dict(os.environ, OMP_NUM_THREADS="1", TMPDIR=str(tmp_path))
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
-        str(ROOT / "examples" / "train_3d.py"), "--cp", "2", "--tp", "2", "--steps", "6",
+        str(ROOT / "examples" / "train_3d.py"), "--cp", "2", "--tp", "2", "--steps", "3",
         "--timeout-s", "60",
     ]  # fmt: skip
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=220)

@@ -135,7 +135,7 @@ def verify_mesh(report: MeshReport, seed: int = 0, timeout_s: float = 120.0) -> 
         report.rows.append(
             (
                 step,
-                float(ref_loss),
+                ref_loss.item(),
                 loss,
                 _max_diff(params, ref_params),
                 _max_diff(grads, ref_grads),
