@@ -50,17 +50,7 @@ OPTIONS_CASE = (
 
 
 def batches(masked: bool) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """The global batches; ``masked`` ignores ~40% of the targets, so every context-parallel
-    chunk of every rank holds a different number of valid tokens."""
-    out = []
-    for step in range(STEPS):
-        g = torch.Generator().manual_seed(700 + step)
-        tokens = torch.randint(0, CFG.vocab_size, (BATCH, CFG.block_size), generator=g)
-        targets = torch.randint(0, CFG.vocab_size, (BATCH, CFG.block_size), generator=g)
-        if masked:
-            targets[torch.rand(targets.shape, generator=g) < 0.4] = -1
-        out.append((tokens, targets))
-    return out
+    return mesh_run.random_batches(CFG, BATCH, STEPS, masked=masked, seed=700)
 
 
 def _count_all_reduces(calls: list[frozenset[int]]) -> Any:

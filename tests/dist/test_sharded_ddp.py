@@ -31,15 +31,7 @@ CASES = [
 
 
 def batches(masked: bool) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    out = []
-    for step in range(STEPS):
-        g = torch.Generator().manual_seed(900 + step)
-        tokens = torch.randint(0, CFG.vocab_size, (BATCH, CFG.block_size), generator=g)
-        targets = torch.randint(0, CFG.vocab_size, (BATCH, CFG.block_size), generator=g)
-        if masked:
-            targets[torch.rand(targets.shape, generator=g) < 0.4] = -1
-        out.append((tokens, targets))
-    return out
+    return mesh_run.random_batches(CFG, BATCH, STEPS, masked=masked, seed=900)
 
 
 class _Bytes:

@@ -25,11 +25,12 @@ would count it twice) and raises.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.placement_types import Placement
 
 from gradsync.errors import UsageError
 
@@ -85,14 +86,12 @@ class GradLayout:
                 f"{type(grad).__name__}; assign DTensor gradients to DTensor parameters"
             )
         if tuple(grad.placements) != self.placements:
-            for axis in self.dp_axes:
-                if not grad.placements[axis].is_replicate():
-                    raise UsageError(
-                        f"the gradient of parameter '{self.name}' is {grad.placements[axis]!r} on "
-                        f"mesh axis {self._axis_name(axis)}, which is part of the data-parallel "
-                        "mesh: summing it there again would count it twice. Leave that axis "
-                        "out of the data-parallel mesh."
-                    )
+            self.refuse_on_dp_axes(
+                grad.placements,
+                f"the gradient of parameter '{self.name}'",
+                "summing it there again would count it twice. Leave that axis out of the "
+                "data-parallel mesh.",
+            )
             grad = grad.redistribute(self.mesh, self.placements)
         return grad._local_tensor
 
@@ -107,9 +106,16 @@ class GradLayout:
             stride=self.stride,
         )
 
-    def _axis_name(self, axis: int) -> str:
-        names = self.mesh.mesh_dim_names
-        return repr(names[axis]) if names else str(axis)
+    def refuse_on_dp_axes(self, placements: Sequence[Placement], what: str, why: str) -> None:
+        """Raise unless ``placements`` replicate along every axis gradsync reduces over."""
+        for axis in self.dp_axes:
+            if not placements[axis].is_replicate():
+                names = self.mesh.mesh_dim_names
+                name = repr(names[axis]) if names else str(axis)
+                raise UsageError(
+                    f"{what} is {placements[axis]!r} on mesh axis {name}, which is part of the "
+                    f"data-parallel mesh: {why}"
+                )
 
 
 def grad_layouts(
@@ -130,14 +136,12 @@ def grad_layouts(
             layouts.append(None)
             continue
         layout = GradLayout(name, p, dp_ranks)
-        for axis in layout.dp_axes:
-            if not layout.placements[axis].is_replicate():
-                raise UsageError(
-                    f"parameter '{name}' is {layout.placements[axis]!r} on mesh axis "
-                    f"{layout._axis_name(axis)}, but ranks along that axis are in the "
-                    "data-parallel mesh: they hold different shards, which must never be "
-                    "averaged. Pass only the axes whose ranks saw different data, e.g. "
-                    "device_mesh=mesh['dp'] or mesh['dp', 'cp'] (never the tensor-parallel axis)."
-                )
+        layout.refuse_on_dp_axes(
+            layout.placements,
+            f"parameter '{name}'",
+            "its ranks hold different shards, which must never be averaged. Pass only the axes "
+            "whose ranks saw different data, e.g. device_mesh=mesh['dp'] or mesh['dp', 'cp'] "
+            "(never the tensor-parallel axis).",
+        )
         layouts.append(layout)
     return layouts

@@ -44,6 +44,23 @@ class Layout:
         )
 
 
+def random_batches(
+    cfg: GPTConfig, batch: int, steps: int, *, masked: bool = False, seed: int = 0
+) -> list[Batch]:
+    """``steps`` global batches of random tokens; ``masked`` ignores ~40% of the targets (-1),
+    so every rank's part (and every context-parallel chunk) holds a different number of valid
+    tokens: the case ``item_mean`` exists for."""
+    out = []
+    for step in range(steps):
+        g = torch.Generator().manual_seed(seed + step)
+        tokens = torch.randint(0, cfg.vocab_size, (batch, cfg.block_size), generator=g)
+        targets = torch.randint(0, cfg.vocab_size, (batch, cfg.block_size), generator=g)
+        if masked:
+            targets[torch.rand(targets.shape, generator=g) < 0.4] = -1
+        out.append((tokens, targets))
+    return out
+
+
 def data_parallel_mesh(mesh: DeviceMesh) -> DeviceMesh:
     """The axes gradients are summed over: dp and cp (see [Note: which mesh axes are summed])."""
     return mesh["dp", "cp"]
