@@ -159,6 +159,7 @@ class GradientShards:
         """Clip the reduced gradient by its global norm, from the shards (padding is zero)."""
         from gradsync.optim import clip
 
+        self.wait_all()  # a gather still running for a bucket no forward used yet
         total = clip.total_norm(
             list(self.grad_shards), norm_type, process_group=self.deadline.group,
             device=self.grad_shards[0].device,
