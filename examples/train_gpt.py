@@ -12,7 +12,10 @@ Launch (the README's first command runs the first line):
 The global batch stays fixed whatever the world size: each rank takes ``global_batch / N``
 sequences, chosen by a ``DistributedSampler`` reshuffled every epoch with ``set_epoch``. At the
 end rank 0 retrains the same model in one process on the same global batches and prints the
-largest parameter difference: PASS means N-process training was the same computation.
+largest parameter difference: PASS means N-process training was the same computation. With
+``--compression bf16|fp16|powersgd`` the gradients travel in a lossy format: the job then prints
+the final losses of both runs (mean of the last 10 steps) and passes when the compressed run's
+exceeds the exact one's by at most the format's band (0.5 %, 0.5 %, 2 %).
 
 Every ``--save-every`` steps all ranks save the whole training state (model, optimizer, data
 position, RNG states) to ``OUT/checkpoints/step_N``; a restarted job (by ``torchrun
@@ -39,6 +42,15 @@ from gradsync.data import DistributedSampler
 from gradsync.testing.corpus import CharDataset, generate_corpus
 from gradsync.testing.gpt import GPT, GPTConfig, lm_loss
 
+FINAL_STEPS = 10  # the final loss is the mean over this many last steps (one step is noisy)
+# How far the final loss of a lossy wire format may exceed that of exact training (relative,
+# same seeds and data; the issue's targets). bf16/fp16 round each gradient element once
+# (relative error 2**-8 / 2**-11, unbiased on average), so Adam's path stays close; PowerSGD
+# rank 4 drops most of each step's gradient and relies on error feedback to deliver it later,
+# so it gets a wider band. Early on a lag weighs more: in the first steps the loss falls so
+# fast that PowerSGD sits 8% above exact after 6 steps (0.3% after 12).
+LOSS_TOLERANCE = {"bf16": 0.005, "fp16": 0.005, "powersgd": 0.02}
+
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
@@ -64,6 +76,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "differences of a few ulps per step grow chaotically over hundreds of Adam steps\n"
         "(a 1-process run that merely sums its batch in another order drifts as far)",
     )
+    p.add_argument(
+        "--compression",
+        choices=["none", "bf16", "fp16", "powersgd"],
+        default="none",
+        help="wire format of the gradients (DistributedDataParallel(compression=...)); a lossy\n"
+        "one cannot match 1 process to 1e-7: the check then compares final losses instead",
+    )
+    p.add_argument("--powersgd-rank", type=int, default=4, help="rank of PowerSGD's matrices")
     p.add_argument("--tolerance", type=float, default=None, help="PASS threshold")
     p.add_argument("--no-reference", action="store_true", help="skip the 1-process comparison")
     p.add_argument("--timeout-s", type=float, default=120.0, help="process-group timeout")
@@ -73,6 +93,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def make_model(vocab_size: int, block_size: int, dtype: str) -> GPT:
     torch.manual_seed(0)
     return GPT(GPTConfig(vocab_size=vocab_size, block_size=block_size)).to(getattr(torch, dtype))
+
+
+def make_compression(args: argparse.Namespace) -> str | gradsync.comm.PowerSGD | None:
+    if args.compression == "none":
+        return None
+    if args.compression == "powersgd":
+        return gradsync.comm.PowerSGD(rank=args.powersgd_rank)
+    return str(args.compression)
 
 
 def make_optimizer(params, lr: float) -> torch.optim.Optimizer:  # type: ignore[no-untyped-def]
@@ -100,18 +128,23 @@ def global_batches(dataset: CharDataset, world: int, per_rank: int, epochs: int,
 
 def train_reference(
     dataset: CharDataset, init_state: dict, args: argparse.Namespace, world: int, per_rank: int
-) -> GPT:
+) -> tuple[GPT, float]:
+    """The same training in one process on the concatenated batches: the model and its final
+    loss (mean over the last ``FINAL_STEPS`` steps)."""
     model = make_model(dataset.vocab_size, args.block_size, args.dtype)
     model.load_state_dict(init_state)
     opt = make_optimizer(model.parameters(), args.lr)
     batches = global_batches(dataset, world, per_rank, args.epochs, args.max_steps)
+    losses: list[float] = []
     for indices in tqdm(batches, desc="1-process reference", leave=False):
         x = torch.stack([dataset[i][0] for i in indices])
         y = torch.stack([dataset[i][1] for i in indices])
         opt.zero_grad()
-        lm_loss(model(x), y).backward()
+        loss = lm_loss(model(x), y)
+        loss.backward()
         opt.step()
-    return model
+        losses.append(loss.item())
+    return model, sum(losses[-FINAL_STEPS:]) / len(losses[-FINAL_STEPS:])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -134,7 +167,9 @@ def main(argv: list[str] | None = None) -> int:
     sampler = DistributedSampler(dataset, world, rank, shuffle=True, seed=0, drop_last=True)
     loader = DataLoader(dataset, batch_size=per_rank, sampler=sampler, drop_last=True)
     model = make_model(dataset.vocab_size, args.block_size, args.dtype)
-    ddp = gradsync.DistributedDataParallel(model, bucket_cap_mb=args.bucket_cap_mb)
+    ddp = gradsync.DistributedDataParallel(
+        model, bucket_cap_mb=args.bucket_cap_mb, compression=make_compression(args)
+    )
     init_state = {k: v.clone() for k, v in ddp.state_dict().items()}
     opt = make_optimizer(ddp.parameters(), args.lr)
     ckpt = Checkpointer(
@@ -147,12 +182,14 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"gradsync: {world} rank(s), {n_params / 1e6:.2f}M parameters, {ddp.num_buckets} "
             f"bucket(s), global batch {args.global_batch} x {args.block_size} tokens, "
-            f"{len(loader)} steps/epoch" + (f"; resumed at step {step}" if step else "")
+            f"{len(loader)} steps/epoch, compression {args.compression}"
+            + (f"; resumed at step {step}" if step else "")
         )
 
     t0 = time.perf_counter()
     total = args.epochs * len(loader) if not args.max_steps else args.max_steps
     bar = tqdm(total=total, initial=step, desc="train", disable=rank != 0)
+    last_losses: list[torch.Tensor] = []  # this rank's, of the last FINAL_STEPS steps
     for epoch in range(sampler.epoch, args.epochs):  # a resumed sampler knows its epoch
         sampler.set_epoch(epoch)  # a new shuffle every epoch, the same on every rank
         for x, y in loader:  # after a resume: the rest of the epoch
@@ -163,6 +200,7 @@ def main(argv: list[str] | None = None) -> int:
             loss.backward()  # gradients are averaged over ranks by the time this returns
             opt.step()
             step += 1
+            last_losses = [*last_losses[-FINAL_STEPS + 1 :], loss.detach().clone()]
             if step % 10 == 0 or step == total:
                 mean_loss = loss.detach().clone()
                 dist.all_reduce(mean_loss)  # every rank calls it: no rank-0-only collective
@@ -174,6 +212,7 @@ def main(argv: list[str] | None = None) -> int:
             break
     ckpt.wait()  # an asynchronous save still being written
     bar.close()
+    final_loss = mean_over_ranks(last_losses, world)
     elapsed = time.perf_counter() - t0
     if rank == 0:  # the trained model in one file, for use outside this job
         path = save_checkpoint(
@@ -184,6 +223,10 @@ def main(argv: list[str] | None = None) -> int:
     status = 0
     if rank == 0:
         print(f"trained {step} steps in {elapsed:.1f} s; checkpoint: {path}")
+        print(
+            f"final loss (mean of the last {FINAL_STEPS} steps, all ranks): {final_loss:.6f} "
+            f"(compression {args.compression})"
+        )
         restored = make_model(dataset.vocab_size, args.block_size, args.dtype)
         restored.load_state_dict(load_checkpoint(path)["model"])  # weights_only=True
         saved, live = restored.state_dict(), model.state_dict()
@@ -193,27 +236,63 @@ def main(argv: list[str] | None = None) -> int:
     # Other ranks are done; rank 0 alone builds the 1-process reference.
     dist.destroy_process_group()
     if rank == 0 and not args.no_reference:
-        reference = train_reference(dataset, init_state, args, world, per_rank)
+        reference, reference_loss = train_reference(dataset, init_state, args, world, per_rank)
         diff = max(
             (a - b).abs().max().item()
             for a, b in zip(model.parameters(), reference.parameters(), strict=True)
         )
-        # float64: rounding differences start at ~1e-16 and grow chaotically over the run's
-        # Adam steps (measured 7e-10 after 108 steps); 1e-7 leaves a 100x margin. Adam is nearly
-        # blind to a gradient's scale, so use `gradsync verify` (SGD, per-step gradients) to
-        # hunt scaling bugs; this check catches wrong data, missed or partial synchronisation.
-        # float32 starts at ~1e-7 and grows to ~1e-2 over 200 steps: that bound only catches
-        # gross errors, which is why float64 is the default.
-        tolerance = args.tolerance
-        if tolerance is None:
-            tolerance = 1e-7 if args.dtype == "float64" else 5e-2
-        ok = diff <= tolerance
-        print(
-            f"max |param(N={world} ranks) - param(1 process)| = {diff:.3g} "
-            f"({args.dtype}, tolerance {tolerance:g}): {'PASS' if ok else 'FAIL'}"
-        )
-        status = 0 if ok else 1
+        status = compare(args, world, diff, final_loss, reference_loss)
     return status
+
+
+def mean_over_ranks(losses: list[torch.Tensor], world: int) -> float:
+    """Mean of every rank's last losses (collective: every rank calls it). Equal per-rank
+    batches make it the loss of the global batch, the number the 1-process run computes."""
+    total = torch.stack(losses).sum() if losses else torch.zeros((), dtype=torch.float64)
+    count = torch.tensor([total.item(), float(len(losses))], dtype=torch.float64)
+    dist.all_reduce(count)
+    return count[0].item() / count[1].item() if count[1] else float("nan")
+
+
+def compare(
+    args: argparse.Namespace, world: int, diff: float, loss: float, reference_loss: float
+) -> int:
+    """Print the N-rank run against the 1-process reference; 0 on PASS, 1 on FAIL."""
+    print(
+        f"max |param(N={world} ranks) - param(1 process)| = {diff:.3g}; final loss "
+        f"{loss:.6f} (N={world}, {args.compression}) vs {reference_loss:.6f} (1 process, exact)"
+    )
+    if args.compression != "none":
+        # A lossy wire format changes every step's update: parameters drift apart by far more
+        # than rounding, so exactness is not claimed. The check is one-sided: the final loss
+        # may exceed the exact run's by at most the format's tolerance. A lower loss is no
+        # loss of quality, and in the default 2-epoch run, which ends while the loss still
+        # falls ~5% per 10 steps, the compressed runs end *below* the exact one by more than
+        # the tolerance (benchmarks/2026-11-22-wire.md): a two-sided band would fail them for
+        # training faster.
+        tolerance = LOSS_TOLERANCE[args.compression] if args.tolerance is None else args.tolerance
+        rel = (loss - reference_loss) / abs(reference_loss)
+        ok = rel <= tolerance
+        print(
+            f"(final loss - exact final loss) / exact = {rel:+.3g} ({args.compression} wire, "
+            f"not exact; must be <= {tolerance:g}): {'PASS' if ok else 'FAIL'}"
+        )
+        return 0 if ok else 1
+    # float64: rounding differences start at ~1e-16 and grow chaotically over the run's
+    # Adam steps (measured 7e-10 after 108 steps); 1e-7 leaves a 100x margin. Adam is nearly
+    # blind to a gradient's scale, so use `gradsync verify` (SGD, per-step gradients) to
+    # hunt scaling bugs; this check catches wrong data, missed or partial synchronisation.
+    # float32 starts at ~1e-7 and grows to ~1e-2 over 200 steps: that bound only catches
+    # gross errors, which is why float64 is the default.
+    tolerance = args.tolerance
+    if tolerance is None:
+        tolerance = 1e-7 if args.dtype == "float64" else 5e-2
+    ok = diff <= tolerance
+    print(
+        f"max |param(N={world} ranks) - param(1 process)| = {diff:.3g} "
+        f"({args.dtype}, tolerance {tolerance:g}): {'PASS' if ok else 'FAIL'}"
+    )
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ def test_bench_cli_on_loopback_writes_report_and_plots(tmp_path: Path) -> None:
         sys.executable, "-m", "gradsync", "bench", "--where", "loopback", "--out", str(out),
         "--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--block-size", "16",
         "--rounds", "1", "--warmup", "0", "--caps", "0", "25", "none",
-        "--busbw-sizes-mib", "1", "--busbw-iters", "1", "--busbw-warmup", "0",
+        "--busbw-sizes-mib", "1", "--busbw-iters", "1", "--busbw-warmup", "0", "--formats",
     ]  # fmt: skip
     env = dict(os.environ, OMP_NUM_THREADS="1", TMPDIR=str(tmp_path), MPLBACKEND="Agg")
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=80, env=env)
@@ -36,6 +36,10 @@ def test_bench_cli_on_loopback_writes_report_and_plots(tmp_path: Path) -> None:
         "gradsync cap 25 MB (default)",
         "gradsync one bucket",
         "torch DDP default",
+        "gradsync bf16 wire",
+        "gradsync PowerSGD rank 4",
+        "torch DDP + bf16_compress_hook",
+        "torch DDP + PowerSGD hook rank 4 (1 bucket)",
         "compute only (local)",
         "flat (all gradient bytes, 1 call)",
     ]:
@@ -48,5 +52,15 @@ def test_bench_cli_on_loopback_writes_report_and_plots(tmp_path: Path) -> None:
     per_param = result["comm_bytes"]["gradsync cap 0 MB (per parameter)"]
     assert len(per_param) == len(result["comm_bytes"]["average_gradients"])
     assert len(result["comm_bytes"]["gradsync one bucket"]) == 1
+    # --formats: bytes per step for each wire format. bf16 sends half of fp32's gradient bytes,
+    # plus gradsync's exact flags and tags (a few elements per parameter: within 10%).
+    sent = result["step_bytes"]
+    fp32 = sent["torch DDP default"]
+    assert 0.45 * fp32 <= sent["gradsync bf16 wire"] <= 0.55 * fp32, sent
+    assert sent["torch DDP + bf16_compress_hook"] == fp32 // 2, sent
+    # This 32-wide model's matrices gain little from rank 4, but PowerSGD must send less.
+    assert sent["gradsync PowerSGD rank 4"] < 0.5 * fp32, sent
+    assert "### wire formats: loopback, 2 ranks" in text
+    assert "gradsync PowerSGD rank 4 sends >= 20x fewer bytes than fp32" in text
     for png in ["step_vs_bucket.png", "breakdown.png"]:
         assert (out / png).stat().st_size > 1000

@@ -39,8 +39,10 @@ DESCRIPTION = """\
 Time one training step of gradsync (bucket caps 0, 1, 5, 25, 100 MB and one bucket), torch's
 DistributedDataParallel and average_gradients, next to compute alone and communication alone,
 on 2 simulated nodes (network namespaces, links shaped to --rate-mbit; needs root) and on
-loopback; then all-reduce bus bandwidth against the ring bound. Writes report.md, results.json
-and two plots to --out. A default run takes ~3 minutes on 2 vCPUs (--rounds sets the length).
+loopback; then all-reduce bus bandwidth against the ring bound. --formats adds the wire formats
+(gradsync bf16 and PowerSGD rank 4, torch DDP with bf16_compress_hook and powerSGD_hook) with
+bytes per step. Writes report.md, results.json and two plots to --out. A default run takes ~3
+minutes on 2 vCPUs (--rounds sets the length).
 """
 
 T = TypeVar("T")
@@ -117,7 +119,7 @@ def _worker_flags(args: argparse.Namespace) -> list[str]:
     flags += ["--warmup", str(args.warmup), "--rounds", str(args.rounds), "--caps", *args.caps]
     flags += ["--busbw-sizes-mib", *map(str, args.busbw_sizes_mib)]
     flags += ["--busbw-iters", str(args.busbw_iters), "--busbw-warmup", str(args.busbw_warmup)]
-    return flags
+    return flags + (["--formats"] if args.formats else [])
 
 
 def _run_cluster(args: argparse.Namespace, out: Path) -> dict[str, Any] | None:

@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from gradsync.bench import wire
 from gradsync.testing.netns import PAYLOAD_FRACTION
 
 MIB = 2**20
@@ -248,7 +249,7 @@ def step_table(result: dict[str, Any]) -> str:
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in variant_rows(result):
-        if r.kind == "local":
+        if r.kind == "local" or r.comm == 0:  # compute only, or a wire format (no replay)
             bounds = "| - | - | - | - | - |"
         else:
             eff = "-" if r.efficiency is None else f"{r.efficiency:.2f}"
@@ -288,6 +289,7 @@ def markdown_report(results: Sequence[dict[str, Any]], plots: Sequence[str] = ()
     for result in results:
         parts += [f"## {result['label']}", "", setting_header(result), ""]
         parts += [defaults_note(result), "", step_table(result), ""]
+        parts += wire.report_section(result)
     parts += ["## all-reduce bus bandwidth (float32, one tensor)", "", busbw_table(results), ""]
     parts += ["## targets", ""]
     for result in results:

@@ -26,10 +26,12 @@ class Variant:
     """One way of synchronising gradients."""
 
     name: str
-    kind: str  # "naive" (average_gradients), "gradsync", "torch_ddp", or "local" (no sync)
+    kind: str  # "naive" (average_gradients), "gradsync", "torch_ddp", or "local" (no sync);
+    # "gradsync_wire" and "torch_ddp_hook": a wire format (see gradsync.bench.wire)
     bucket_cap_mb: float | None = 25.0
     algorithm: str = "native"
     first_bucket_cap_mb: float | None = 1.0
+    wire: str | None = None  # "bf16" or "powersgd" for the wire-format kinds
 
 
 DEFAULT_VARIANTS = (
@@ -87,6 +89,10 @@ def _build(
         return tddp, gpt, lambda: None
     if variant.kind == "local":
         return gpt, gpt, lambda: None
+    if variant.kind in ("gradsync_wire", "torch_ddp_hook"):
+        from gradsync.bench import wire  # it builds on this module's Variant
+
+        return wire.build(variant, gpt), gpt, lambda: None
     raise ValueError(f"unknown variant kind {variant.kind!r}")
 
 

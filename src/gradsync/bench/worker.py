@@ -41,6 +41,7 @@ import torch.distributed as dist
 from torch import nn
 
 import gradsync
+from gradsync.bench import wire
 from gradsync.bench.steptime import (
     StepTimeConfig,
     Variant,
@@ -56,8 +57,11 @@ FLAT = "flat (all gradient bytes, 1 call)"
 DEFAULT_CAPS: tuple[float | None, ...] = (0.0, 1.0, 5.0, 25.0, 100.0, None)
 
 
-def bench_variants(caps: Sequence[float | None] = DEFAULT_CAPS) -> tuple[Variant, ...]:
-    """The variants ``gradsync bench`` compares: naive, gradsync per bucket cap, torch DDP, local.
+def bench_variants(
+    caps: Sequence[float | None] = DEFAULT_CAPS, formats: bool = False
+) -> tuple[Variant, ...]:
+    """The variants ``gradsync bench`` compares: naive, gradsync per bucket cap, torch DDP, local;
+    with ``formats`` also the wire formats of :func:`gradsync.bench.wire.wire_variants`.
 
     ``None`` is one bucket for the whole model (gradsync's meaning of ``bucket_cap_mb=None``).
     """
@@ -70,6 +74,8 @@ def bench_variants(caps: Sequence[float | None] = DEFAULT_CAPS) -> tuple[Variant
             label += " (default)"
         variants.append(Variant(f"gradsync {label}", "gradsync", cap))
     variants.append(Variant("torch DDP default", "torch_ddp", 25.0))
+    if formats:
+        variants += wire.wire_variants()
     variants.append(Variant("compute only (local)", "local"))
     return tuple(variants)
 
@@ -94,8 +100,8 @@ def comm_plan(variant: Variant, model: nn.Module) -> list[int]:
     order, which it uses from its third step on and reports in its logging data only after that
     step, so call this after three steps. ``average_gradients``: one call per trainable parameter.
     """
-    if variant.kind == "local":
-        return []
+    if variant.kind in ("local", *wire.WIRE_KINDS):
+        return []  # no replay: a wire format's collectives depend on the data
     if variant.kind == "naive":
         return [p.numel() for p in model.parameters() if p.requires_grad]
     if variant.kind == "gradsync":
@@ -157,7 +163,7 @@ def step_config(args: argparse.Namespace) -> StepTimeConfig:
         batch_per_rank=args.batch_per_rank,
         warmup=args.warmup,
         rounds=args.rounds,
-        variants=bench_variants([parse_cap(c) for c in args.caps]),
+        variants=bench_variants([parse_cap(c) for c in args.caps], args.formats),
     )
 
 
@@ -171,15 +177,13 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
     steps, models = make_step_tasks(rank, cfg)
     # Three untimed steps of every variant: torch DDP rebuilds its buckets in gradient-ready
     # order (used from step 3), and the communication replay copies the rebuilt layout.
-    for _ in range(3):
-        for step in steps.values():
-            step()
+    counted = untimed_steps(steps, models)
     progress.advance("built models, 3 untimed steps")
     dtype = next(models[cfg.variants[0].name].parameters()).dtype
     plans = {v.name: comm_plan(v, models[v.name]) for v in cfg.variants if v.kind != "local"}
     tasks = dict(steps)
     for v in cfg.variants:
-        if v.kind != "local":
+        if plans.get(v.name):
             tasks[COMM_PREFIX + v.name] = comm_task(plans[v.name], dtype, v.kind == "naive")
     grad_numel = sum(p.numel() for p in models[cfg.variants[0].name].parameters())
     tasks[COMM_PREFIX + FLAT] = comm_task([grad_numel], dtype, blocking=True)
@@ -217,9 +221,26 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
         "comm_s": {
             k.removeprefix(COMM_PREFIX): v for k, v in times.items() if k.startswith(COMM_PREFIX)
         },
-        "comm_bytes": {k: [n * elem for n in v] for k, v in plans.items()},
+        "comm_bytes": {k: [n * elem for n in v] for k, v in plans.items() if v},
+        "step_bytes": wire.step_bytes(cfg.variants, models, plans, counted, world),
         "busbw": busbw,
     }
+
+
+def untimed_steps(
+    steps: dict[str, Callable[[], None]], models: dict[str, nn.Module]
+) -> dict[str, int]:
+    """Three untimed steps of every variant; returns the bytes that gradsync's wire hooks
+    counted in the third (a steady step: PowerSGD compresses from step 3 on)."""
+    counted = {}
+    for i in range(3):
+        for name, step in steps.items():
+            before = wire.counted_bytes(models[name])
+            step()
+            after = wire.counted_bytes(models[name])
+            if i == 2 and before is not None and after is not None:
+                counted[name] = after - before
+    return counted
 
 
 def spawn_rank(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any] | None:
@@ -274,6 +295,12 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
         nargs="+",
         default=["none" if c is None else f"{c:g}" for c in DEFAULT_CAPS],
         help="gradsync bucket caps in MiB ('none': one bucket)",
+    )
+    p.add_argument(
+        "--formats",
+        action="store_true",
+        help="also time the wire formats: gradsync bf16 and PowerSGD rank 4, torch DDP with\n"
+        "bf16_compress_hook and powerSGD_hook (adds 4 variants to every round)",
     )
     p.add_argument("--busbw-sizes-mib", type=float, nargs="+", default=[16.0, 64.0])
     p.add_argument("--busbw-iters", type=int, default=5)
