@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import gradsync
 from gradsync.ddp import autotune
@@ -73,10 +74,14 @@ def _run(rank: int, world: int, kind: str, opt_name: str, *, cap: Any = "auto",
                 seen.append((step, micro, ddp.num_buckets))
                 loss.backward()
         opt.step()
-        if eval_on_rank0 and rank == 0:  # an eval forward with grad, on one rank only
-            ddp.eval()
-            toy.loss_fn(ddp, batch, "mean")
-            ddp.train()
+        if eval_on_rank0:
+            if rank == 0:  # an eval forward with grad, on one rank only
+                ddp.eval()
+                toy.loss_fn(ddp, batch, "mean")
+                ddp.train()
+            # then a metric all-reduced on the world group: had the eval forward started the
+            # switch's collectives on rank 0 alone, both ranks would wait for each other here
+            dist.all_reduce(torch.zeros(1))
     plan = ddp.bucket_plan
     auto = ddp._autotune
     return {
