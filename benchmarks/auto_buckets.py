@@ -6,7 +6,8 @@
 Every variant trains the same GPT with AdamW, interleaved round by round in the same processes:
 ``gradsync auto`` (``bucket_cap_mb="auto"``: profiles its first steps, then switches plan),
 ``gradsync cap C`` for fixed caps C (MiB; ``None``: one bucket), and ``torch DDP`` with its
-defaults (25 MiB). Each round builds every wrapper afresh, so "auto" profiles and decides again
+defaults (25 MiB). Each round starts with the next variant in turn, so that none always follows
+the same one, and builds every wrapper afresh, so "auto" profiles and decides again
 in every round; its warm-up steps include the switch, so only steps after it are timed.
 
 Per variant: the median step time of the slowest rank over every timed step.
@@ -87,7 +88,8 @@ def worker(args: argparse.Namespace) -> None:
     times: dict[str, list[float]] = {v: [] for v in VARIANTS}
     plans, n_params = [], 0
     for r in range(args.rounds):
-        for variant in VARIANTS:
+        shift = r % len(VARIANTS)  # each round starts with another variant: no position bias
+        for variant in VARIANTS[shift:] + VARIANTS[:shift]:
             ddp, opt = _build(variant, cfg, lr=1e-3)
             n_params = sum(p.numel() for p in ddp.parameters())
             times[variant] += _time_steps(ddp, opt, cfg, args, seed=1000 * r + rank)
@@ -158,8 +160,8 @@ def main() -> None:
     p.add_argument("--world", type=int, default=2, help="ranks (simulated nodes with --cluster)")
     p.add_argument("--cluster", action="store_true", help="simulated nodes instead of loopback")
     p.add_argument("--rate-mbit", type=float, default=1000.0)
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--rounds", type=int, default=4)
+    p.add_argument("--steps", type=int, default=4)
     p.add_argument("--warmup", type=int, default=6)
     p.add_argument("--batch", type=int, default=8, help="sequences per rank")
     p.add_argument("--n-layer", type=int, default=4)
