@@ -114,6 +114,8 @@ def register(wrapper: Any, state: object, hook: Callable[..., Any]) -> None:
         started=wrapper._forward_ran,
         again=wrapper._torch_hook is not None,
     )
+    if wrapper._autotune is not None:  # its state may be per bucket (PowerSGD's is)
+        raise UsageError("register_comm_hook cannot be combined with bucket_cap_mb='auto'")
     deadline = wrapper._deadline
     agree_on_hook(identity_of(state, hook), deadline.gather_objects)
     reducer = wrapper.reducer

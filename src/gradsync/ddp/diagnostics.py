@@ -10,10 +10,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from gradsync.ddp.arrivals import ArrivalRecords
 from gradsync.ddp.deadline import Deadline, as_timedelta
-from gradsync.errors import ReplicaMismatchError
+from gradsync.errors import ProtocolError, ReplicaMismatchError, UsageError
 from gradsync.mesh.dtensors import local
 
 _INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -122,3 +123,17 @@ def any_rank(
     t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=deadline.device)
     deadline.all_reduce(t, "gradsync.any_rank", op=dist.ReduceOp.MAX)
     return bool(t.item())
+
+
+def check_can_wrap(module: nn.Module, wrapper_type: type) -> None:
+    """Refuse, before any collective, what cannot be wrapped."""
+    if not dist.is_initialized():
+        raise ProtocolError(
+            "torch.distributed is not initialised; call "
+            "dist.init_process_group(...) (torchrun sets up its environment) first"
+        )
+    if isinstance(module, wrapper_type):
+        raise UsageError(
+            "this module is already a gradsync.DistributedDataParallel; wrap the plain "
+            "module once (to re-wrap after changing it, pass wrapper.module)"
+        )

@@ -19,16 +19,18 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from gradsync.comm import AllReduceAlgorithm, get_algorithm, torch_hooks
 from gradsync.comm.formats import Compression, describe_compression, make_comm_hook
+from gradsync.ddp.autoplan import BucketPlan
+from gradsync.ddp.autotune import AutoBuckets, initial_cap
 from gradsync.ddp.buckets import BucketSpec, cap_to_bytes, plan_buckets
 from gradsync.ddp.deadline import Deadline, as_timedelta
-from gradsync.ddp.diagnostics import check_replicas, warn_if_same_batch
+from gradsync.ddp.diagnostics import check_can_wrap, check_replicas, warn_if_same_batch
 from gradsync.ddp.join import JoinProtocol
 from gradsync.ddp.param_watch import ParameterWatch
 from gradsync.ddp.reducer import Reducer
 from gradsync.ddp.reduction import Reduction, check_reduction
 from gradsync.ddp.replicas import broadcast_from, check_same_model, describe
 from gradsync.ddp.state_keys import strip_prefixes
-from gradsync.errors import GradsyncError, ProtocolError, UsageError
+from gradsync.errors import GradsyncError, ProtocolError
 from gradsync.mesh.axes import axis_names, data_parallel_group
 from gradsync.mesh.dtensors import grad_layouts, local
 from gradsync.optim.overlap import attach_sharded_optimizer
@@ -51,7 +53,8 @@ class DistributedDataParallel(nn.Module):
             from ``parallelize_module``): their local shards are reduced and their gradients
             stay DTensors with the parameter's placements. See ``gradsync/mesh/``.
         bucket_cap_mb: bucket size in MiB. ``0``: one all-reduce per parameter; ``None``: one
-            bucket (per dtype).
+            bucket (per dtype); ``"auto"``: chosen from this job's profile after a few steps
+            (:attr:`bucket_plan`; see [Note: switching the bucket plan] in ``autotune.py``).
         first_bucket_cap_mb: a lower cap for the first bucket (the last layers' gradients), so
             communication starts early in backward; ``None`` uses ``bucket_cap_mb`` for all.
         find_unused_parameters: count a parameter without a gradient on some rank as zero there.
@@ -84,6 +87,7 @@ class DistributedDataParallel(nn.Module):
 
     _torch_hook: Callable[..., Any] | None = None  # set by register_comm_hook
     _forward_ran = False  # a forward ran through the wrapper (hooks register before that)
+    _first_batch_checked = False  # the first training forward's batches were compared
 
     def __init__(
         self,
@@ -91,7 +95,7 @@ class DistributedDataParallel(nn.Module):
         *,
         process_group: dist.ProcessGroup | None = None,
         device_mesh: DeviceMesh | None = None,
-        bucket_cap_mb: float | None = 25.0,
+        bucket_cap_mb: float | str | None = 25.0,
         first_bucket_cap_mb: float | None = 1.0,
         find_unused_parameters: bool = False,
         gradient_as_bucket_view: bool = False,
@@ -104,7 +108,7 @@ class DistributedDataParallel(nn.Module):
         check_replicas_every: int = 0,
     ) -> None:
         super().__init__()
-        _check_can_wrap(module)
+        check_can_wrap(module, DistributedDataParallel)
         check_reduction(reduction)
         self.module = module
         self.device_mesh = device_mesh
@@ -118,6 +122,7 @@ class DistributedDataParallel(nn.Module):
         self.timeout = as_timedelta(timeout)
         self.check_replicas_every = check_replicas_every
         self._deadline = _new_deadline(process_group, self.timeout)
+        self._autotune = AutoBuckets.create(bucket_cap_mb, first_bucket_cap_mb, compression)
         # Every setting that changes which collectives run must agree across ranks.
         settings = {
             "bucket_cap_mb": bucket_cap_mb,
@@ -134,14 +139,13 @@ class DistributedDataParallel(nn.Module):
         }
         self._make_replicas_equal(settings)
         self.reducer = self._build_reducer(
-            bucket_cap_mb,
+            initial_cap(bucket_cap_mb),
             first_bucket_cap_mb,
             find_unused_parameters=find_unused_parameters,
             gradient_as_bucket_view=gradient_as_bucket_view,
             check_finite=check_finite,
         )
         self._require_sync = True
-        self._first_batch_checked = False
         self._replicas_checked_at = 0
         self._join_protocol = JoinProtocol(self._deadline)
         self._joining = False
@@ -209,6 +213,8 @@ class DistributedDataParallel(nn.Module):
         broadcast = self.broadcast_buffers and bool(self._buffers_to_sync)
         every = self.check_replicas_every
         check_due = every and steps and steps % every == 0 and self._replicas_checked_at != steps
+        if self._autotune is not None:  # a step boundary on every rank: may switch the plan
+            self._autotune.before_forward(self)
         if not (broadcast or self._joining or check_due or not self._first_batch_checked):
             return None  # no collective before this forward
         self._deadline.begin(f"a training forward of step {steps}")
@@ -330,6 +336,11 @@ class DistributedDataParallel(nn.Module):
     def num_buckets(self) -> int:
         return len(self.bucket_specs)
 
+    @property
+    def bucket_plan(self) -> BucketPlan | None:
+        """With ``bucket_cap_mb="auto"``, the plan chosen (``None`` before the switch)."""
+        return self._autotune.plan if self._autotune is not None else None
+
     # -- checkpoints: keys are the unwrapped module's --------------------------------------
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
         self._parameters_ready()
@@ -382,17 +393,3 @@ def _new_deadline(group: dist.ProcessGroup | None, timeout: timedelta) -> Deadli
     global _num_wrappers
     _num_wrappers += 1
     return Deadline.for_group(group, timeout, f"DistributedDataParallel #{_num_wrappers}")
-
-
-def _check_can_wrap(module: nn.Module) -> None:
-    """Refuse, before any collective, what cannot be wrapped."""
-    if not dist.is_initialized():
-        raise ProtocolError(
-            "torch.distributed is not initialised; call "
-            "dist.init_process_group(...) (torchrun sets up its environment) first"
-        )
-    if isinstance(module, DistributedDataParallel):
-        raise UsageError(
-            "this module is already a gradsync.DistributedDataParallel; wrap the plain "
-            "module once (to re-wrap after changing it, pass wrapper.module)"
-        )

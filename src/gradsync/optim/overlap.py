@@ -206,6 +206,8 @@ def attach_sharded_optimizer(
         "compression": wrapper.compression is not None or wrapper._torch_hook is not None,
         "check_finite": old.check_finite,
         "DTensor parameters": any(layout is not None for layout in wrapper._layouts),
+        # The optimizer's flat layout follows the buckets, which "auto" replaces after a few steps.
+        "bucket_cap_mb='auto'": wrapper._autotune is not None,
     }
     if any(unsupported.values()):
         bad = ", ".join(k for k, v in unsupported.items() if v)

@@ -1,0 +1,201 @@
+"""``bucket_cap_mb="auto"``: profile the first steps, agree on a plan, switch at a step boundary.
+
+[Note: switching the bucket plan]
+Horovod's autotune once resized its fusion buffer while gradients were in flight and corrupted
+them (horovod#1282). Here the plan changes once, at a point where no gradient of the coming step
+exists yet, on every rank at the same point:
+
+1. Profile. The wrapper starts with a fixed plan (``INITIAL_CAP_MB``, and the wrapper's first
+   bucket cap). After ``WARMUP_STEPS`` synchronised steps (first-call costs, allocations), an
+   extra post-accumulate-grad hook per parameter notes ``perf_counter`` when the gradient is
+   ready inside each of ``PROFILE_STEPS`` synchronised backwards (not under ``no_sync``). The
+   hooks are removed at the switch: afterwards nothing is timed.
+2. Decide, at the first training forward after the profiled steps' reduction that starts a new
+   accumulation window (``window_forwards == 0``: never inside a ``no_sync`` window, never inside
+   a backward) outside ``join()``. ``num_reductions`` and the window are the same on every rank
+   (the step tags check both), and eval forwards never get here (they may run on one rank), so
+   every rank reaches this forward together. Then, under the wrapper's deadline: a few timed
+   all-reduces of ``PROBE_BYTES`` on the wrapper's private group; ready times and probe times
+   all-reduced with MAX (the slowest rank's step is the step); a plan from ``autoplan.py``;
+   and rank 0's plan exchanged through ``Deadline.gather_objects`` and taken by every rank.
+   The plan must be identical everywhere (a rank with other buckets would sum unrelated
+   gradients or wait forever), so it is agreed on, never left to timings or floating point.
+3. Switch. A new :class:`Reducer` with the chosen buckets on the same parameter watch, comm hook
+   and reduction; ``num_reductions`` carries on, so step tags and checkpoints continue. Building
+   it retires the old reducer (its hooks are removed; see ``_OWNERS`` in ``reducer.py``).
+
+The gradients are the ones the fixed plan gives: each rank's contribution is copied (and
+pre-divided, elementwise) into whichever bucket holds the parameter, and the all-reduce sums
+each element over ranks. With two ranks that sum is ``a + b`` whatever the bucket, bit for bit.
+With three or more, gloo's algorithms cut a buffer into pieces by its size, and the order in
+which the ranks' values are added for one element can change with the bucket, which moves a
+result by at most an ulp or so; the equivalence tests bound it.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.utils.hooks import RemovableHandle
+
+from gradsync.comm import PowerSGD
+from gradsync.ddp.autoplan import CANDIDATE_CAPS_MB, BucketPlan, choose_plan, describe, fit_cost
+from gradsync.ddp.deadline import Deadline
+from gradsync.ddp.reducer import Reducer, _Phase
+from gradsync.errors import UsageError
+from gradsync.mesh.dtensors import local
+
+logger = logging.getLogger("gradsync")
+
+INITIAL_CAP_MB = 25.0  # the plan of the first steps: torch DDP's default
+WARMUP_STEPS = 1
+PROFILE_STEPS = 3
+PROBE_BYTES = (1 << 12, 1 << 18, 1 << 22)  # all-reduce sizes timed to fit the cost model
+PROBE_REPEATS = 3
+_clock: Callable[[], float] = time.perf_counter  # the gradient hooks' clock
+
+
+def wants_auto(bucket_cap_mb: float | str | None, compression: object) -> bool:
+    """Whether ``bucket_cap_mb`` asks for ``"auto"``; refuses other strings and what cannot
+    follow a change of buckets (PowerSGD keeps per-bucket state)."""
+    if not isinstance(bucket_cap_mb, str):
+        return False
+    if bucket_cap_mb != "auto":
+        raise UsageError(
+            f"bucket_cap_mb must be a number >= 0, None or 'auto', got {bucket_cap_mb!r}"
+        )
+    if isinstance(compression, PowerSGD):
+        raise UsageError(
+            "bucket_cap_mb='auto' cannot be combined with compression=PowerSGD: its matrices "
+            "and error feedback are kept per bucket and would be lost when the plan switches; "
+            "pass a numeric bucket_cap_mb"
+        )
+    return True
+
+
+def initial_cap(bucket_cap_mb: float | str | None) -> float | None:
+    """The cap the wrapper is built with (``"auto"`` starts from ``INITIAL_CAP_MB``)."""
+    return INITIAL_CAP_MB if isinstance(bucket_cap_mb, str) else bucket_cap_mb
+
+
+def measure_cost(deadline: Deadline, total_bytes: int, what: str) -> list[tuple[int, float]]:
+    """``(bytes, seconds)`` of all-reduces on the wrapper's group: the median of
+    ``PROBE_REPEATS`` timed calls per size, after one untimed call that lines the ranks up."""
+    samples = []
+    for nbytes in sorted({max(4, min(n, total_bytes)) for n in PROBE_BYTES}):
+        buf = torch.zeros(nbytes // 4, dtype=torch.float32, device=deadline.device)
+        deadline.all_reduce(buf, what)
+        times = []
+        for _ in range(PROBE_REPEATS):
+            start = time.perf_counter()
+            deadline.all_reduce(buf, what)
+            times.append(time.perf_counter() - start)
+        samples.append((buf.numel() * 4, statistics.median(times)))
+    return samples
+
+
+class AutoBuckets:
+    """The runtime of ``bucket_cap_mb="auto"`` for one wrapper; see [Note: switching the bucket
+    plan]. ``plan`` is ``None`` until the switch, then the :class:`BucketPlan` in use."""
+
+    def __init__(self, first_bucket_cap_mb: float | None) -> None:
+        self.first_cap_mb = first_bucket_cap_mb
+        self.plan: BucketPlan | None = None
+        self.switched_at: int | None = None  # num_reductions when the plan took effect
+        self._start: int | None = None  # num_reductions at the first training forward
+        self._done = False
+        self._times: dict[int, dict[int, float]] = {}  # profiled step -> param index -> clock
+        self._hooks: list[RemovableHandle] = []
+
+    @classmethod
+    def create(
+        cls, bucket_cap_mb: float | str | None, first_cap_mb: float | None, compression: object
+    ) -> AutoBuckets | None:
+        """The runtime for a wrapper built with these options (``None``: not ``"auto"``)."""
+        return cls(first_cap_mb) if wants_auto(bucket_cap_mb, compression) else None
+
+    def before_forward(self, wrapper: Any) -> None:
+        """Called by every training forward before its collectives: switch if this is the step
+        boundary (the same forward on every rank), else nothing."""
+        if self._done:
+            return
+        reducer: Reducer = wrapper.reducer
+        if self._start is None:
+            self._start = reducer.num_reductions
+            self._hooks = [
+                p.register_post_accumulate_grad_hook(self._recorder(reducer, i))
+                for i, p in enumerate(reducer.params)
+            ]
+        if reducer.window_forwards or wrapper._joining:
+            return  # inside an accumulation window, or ranks may be missing: not here
+        if reducer.num_reductions >= self._start + WARMUP_STEPS + PROFILE_STEPS:
+            self._switch(wrapper, reducer)
+
+    def _recorder(self, reducer: Reducer, index: int) -> Callable[[torch.Tensor], None]:
+        def record(param: torch.Tensor) -> None:
+            assert self._start is not None
+            step = reducer.num_reductions - self._start
+            if reducer.phase is _Phase.REDUCING and WARMUP_STEPS <= step:
+                self._times.setdefault(step, {})[index] = _clock()
+
+        return record
+
+    def ready_times(self, num_params: int) -> list[float]:
+        """Per parameter, the median over profiled steps of when its gradient was ready,
+        in seconds after the step's first; ``-1`` where it never had one on this rank."""
+        per_param: list[list[float]] = [[] for _ in range(num_params)]
+        for times in self._times.values():
+            first = min(times.values())
+            for i, t in times.items():
+                per_param[i].append(t - first)
+        return [statistics.median(ts) if ts else -1.0 for ts in per_param]
+
+    def decide(self, reducer: Reducer, what: str) -> BucketPlan:
+        """Profile the collectives, agree on the timings and on rank 0's plan (collectives)."""
+        deadline = reducer.deadline
+        params = [(local(p).numel(), p.dtype) for p in reducer.params]
+        total = sum(n * torch.empty((), dtype=d).element_size() for n, d in params)
+        samples = measure_cost(deadline, total, what)
+        values = self.ready_times(len(params)) + [t for _, t in samples]
+        agreed = torch.tensor(values, dtype=torch.float64, device=deadline.device)
+        deadline.all_reduce(agreed, what, op=dist.ReduceOp.MAX)
+        merged = agreed.tolist()
+        ready = merged[: len(params)]
+        latest = max(ready, default=0.0)
+        ready = [t if t >= 0.0 else max(latest, 0.0) for t in ready]  # never ready: at the end
+        cost = fit_cost([(n, t) for (n, _), t in zip(samples, merged[len(params) :], strict=True)])
+        firsts = [None] if self.first_cap_mb is None else [None, self.first_cap_mb]
+        plan = choose_plan(params, ready, cost, caps_mb=CANDIDATE_CAPS_MB, first_caps_mb=firsts)
+        chosen: BucketPlan = deadline.gather_objects(plan, what)[0]  # rank 0's, on every rank
+        return chosen
+
+    def _switch(self, wrapper: Any, reducer: Reducer) -> None:
+        self._done = True
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+        step = reducer.num_reductions
+        if not reducer.params:
+            return
+        what = f"the choice of the bucket plan (bucket_cap_mb='auto', step {step})"
+        reducer.deadline.begin(what)
+        plan = self.decide(reducer, what)
+        specs = plan.specs([(local(p).numel(), p.dtype) for p in reducer.params])
+        new = Reducer(
+            reducer.watch, specs, deadline=reducer.deadline, comm_hook=reducer.comm_hook,
+            reduction=reducer.reduction, find_unused_parameters=reducer.find_unused_parameters,
+            gradient_as_bucket_view=reducer.gradient_as_bucket_view,
+            check_finite=reducer.check_finite, layouts=wrapper._layouts,
+        )  # fmt: skip
+        new.num_reductions = step  # the same watch: no rebase, step tags continue
+        wrapper.reducer = new
+        wrapper.bucket_specs = specs
+        self.plan, self.switched_at = plan, step
+        if reducer.deadline.rank == 0:
+            logger.info("bucket_cap_mb='auto' chose %s, from step %d", describe(plan), step)
