@@ -20,13 +20,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
-import sys
-import time
 from datetime import timedelta
 from typing import Any
+
+from gradsync.bench import launch
 
 VARIANTS = ("gradsync", "gradsync sharded", "torch ZeRO")
 
@@ -62,25 +60,8 @@ def _state_bytes(opt: Any) -> int:
 
 
 def _time_steps(ddp: Any, opt: Any, cfg: Any, args: argparse.Namespace, seed: int) -> list[float]:
-    import torch
-    import torch.distributed as dist
-
-    from gradsync.testing.gpt import lm_loss
-
-    g = torch.Generator().manual_seed(seed)
-    times = []
-    for i in range(args.warmup + args.steps):
-        x = torch.randint(0, cfg.vocab_size, (args.batch, cfg.block_size), generator=g)
-        dist.barrier()
-        t0 = time.perf_counter()
-        opt.zero_grad()
-        lm_loss(ddp(x), x).backward()
-        opt.step()
-        elapsed = torch.tensor([time.perf_counter() - t0])
-        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # the slowest rank's step
-        if i >= args.warmup:
-            times.append(float(elapsed))
-    return times
+    shape = (args.batch, cfg.block_size)
+    return launch.slowest_step_times(ddp, opt, shape, cfg.vocab_size, args.warmup, args.steps, seed)
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -114,35 +95,6 @@ def worker(args: argparse.Namespace) -> None:
     dist.destroy_process_group()
 
 
-def _worker_argv(args: argparse.Namespace) -> list[str]:
-    argv = [__file__, "--worker", "--rounds", str(args.rounds), "--steps", str(args.steps)]
-    argv += ["--warmup", str(args.warmup), "--batch", str(args.batch)]
-    return argv + ["--n-layer", str(args.n_layer), "--n-embd", str(args.n_embd)]
-
-
-def _run_loopback(args: argparse.Namespace) -> str:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    cmd += ["--nproc-per-node", str(args.world), *_worker_argv(args)]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
-    if proc.returncode:
-        sys.exit(proc.stdout + proc.stderr)
-    return proc.stdout
-
-
-def _run_cluster(args: argparse.Namespace) -> str:
-    from gradsync.testing.cluster import SimulatedCluster
-
-    ok, reason = SimulatedCluster.available()
-    if not ok:
-        sys.exit(f"cannot build a simulated cluster: {reason}")
-    with SimulatedCluster(args.world, rate_mbit=args.rate_mbit) as cluster:
-        results = cluster.launch(_worker_argv(args), 1, timeout_s=args.timeout)
-    if not all(r.ok for r in results):
-        sys.exit("\n".join(r.summary() for r in results))
-    return results[0].stdout
-
-
 def report(row: dict[str, Any], where: str) -> str:
     base_t, base_m = row["median_s"]["gradsync"], row["state"]["gradsync"]
     zero_t = row["median_s"]["torch ZeRO"]
@@ -166,25 +118,13 @@ def report(row: dict[str, Any], where: str) -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--world", type=int, default=2, help="ranks (simulated nodes with --cluster)")
-    p.add_argument("--cluster", action="store_true", help="2 simulated nodes instead of loopback")
-    p.add_argument("--rate-mbit", type=float, default=1000.0)
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--steps", type=int, default=6)
-    p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--batch", type=int, default=8, help="sequences per rank")
-    p.add_argument("--n-layer", type=int, default=4)
-    p.add_argument("--n-embd", type=int, default=384)
-    p.add_argument("--timeout", type=float, default=1500.0)
-    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    launch.add_arguments(p, rounds=3, steps=6, warmup=2, timeout_s=1500.0)
     args = p.parse_args()
     if args.worker:
         worker(args)
         return
-    out = _run_cluster(args) if args.cluster else _run_loopback(args)
-    line = next(x for x in out.splitlines() if x.startswith("ZERO_JSON "))
-    where = f"simulated cluster, {args.rate_mbit:g} Mbit/s" if args.cluster else "loopback"
-    print(report(json.loads(line.split(" ", 1)[1]), where))
+    row, where = launch.run_workers(__file__, args, "ZERO_JSON")
+    print(report(row, where))
 
 
 if __name__ == "__main__":
