@@ -96,9 +96,12 @@ def test_existing_namespace_is_never_deleted() -> None:
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_teardown_on_signal(sig: signal.Signals) -> None:
     """A killed driver still removes its namespaces (signal handler while active)."""
+    # A shell that starts a job in the background (`make test &`) makes it ignore SIGINT, and
+    # the driver would inherit that; the user this test stands for pressed Ctrl-C in a terminal.
     driver = textwrap.dedent(
         """
-        import time
+        import signal, time
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         from gradsync.testing.cluster import SimulatedCluster
         with SimulatedCluster(2) as c:
             print(" ".join(c.nodes + [c.bridge_namespace]), flush=True)
