@@ -68,7 +68,7 @@ def _train_case(mesh: Any, case: tuple, count: bool) -> dict[str, Any]:
     opt_name, cap, reduction, micro, options = case
     # Replicas start different (seeded by their data-parallel index): the wrapper must
     # broadcast the first data-parallel rank's weights, separately for each tp shard.
-    dp_index = mesh["dp"].get_local_rank() * mesh["cp"].size() + mesh["cp"].get_local_rank()
+    dp_index = mesh_run.data_parallel_index(mesh)
     model = mesh_run.make_model(CFG, mesh, seed=17 * dp_index, dtype=DTYPE)
     ddp = gradsync.DistributedDataParallel(
         model,

@@ -85,7 +85,7 @@ def _params(ddp: Any) -> dict[str, torch.Tensor]:
 
 def _train_case(mesh: Any, case: tuple) -> dict[str, Any]:
     name, cls, options, cap, reduction, micro = case
-    index = mesh["dp"].get_local_rank() * mesh["cp"].size() + mesh["cp"].get_local_rank()
+    index = mesh_run.data_parallel_index(mesh)
     ddp = _wrap(mesh, cap, reduction, seed=17 * index)  # the wrapper broadcasts rank 0's
     opt = ddp.shard_optimizer(cls, **options)
     data = batches(masked=reduction == "item_mean")

@@ -187,14 +187,7 @@ class AutoBuckets:
         reducer.deadline.begin(what)
         plan = self.decide(reducer, what)
         specs = plan.specs([(local(p).numel(), p.dtype) for p in reducer.params])
-        new = Reducer(
-            reducer.watch, specs, deadline=reducer.deadline, comm_hook=reducer.comm_hook,
-            reduction=reducer.reduction, find_unused_parameters=reducer.find_unused_parameters,
-            gradient_as_bucket_view=reducer.gradient_as_bucket_view,
-            check_finite=reducer.check_finite, layouts=wrapper._layouts,
-        )  # fmt: skip
-        new.num_reductions = step  # the same watch: no rebase, step tags continue
-        wrapper.reducer = new
+        wrapper.reducer = reducer.successor(specs)
         wrapper.bucket_specs = specs
         self.plan, self.switched_at = plan, step
         if reducer.deadline.rank == 0:

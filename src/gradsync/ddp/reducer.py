@@ -106,7 +106,7 @@ class Reducer:
         self.world_size = deadline.world_size
         self.rank = deadline.rank
         num_tags = NUM_FIELDS * self.world_size  # in the first bucket only: [Note: step tags]
-        layouts = list(layouts) or [None] * len(self.params)  # DTensor parameters only
+        self.layouts = layouts = list(layouts) or [None] * len(self.params)  # DTensors only
         self.sharding = sharding  # see [Note: sharded steps in the wrapper]
         self.buckets = [
             Bucket(
@@ -148,6 +148,26 @@ class Reducer:
             p.register_post_accumulate_grad_hook(self._make_hook(i))
             for i, p in enumerate(self.params)
         ]
+
+    def successor(
+        self,
+        specs: Sequence[BucketSpec],
+        *,
+        comm_hook: CommHook | None = None,
+        sharding: GradientShards | None = None,
+    ) -> Reducer:
+        """A reducer of the same parameters, watch, reduction and options with other buckets
+        (and comm hook or sharding, if given) that continues this one's step count. Building
+        it retires this one (see ``_OWNERS``); call it only between optimizer steps."""
+        hook = self.comm_hook if comm_hook is None else comm_hook
+        new = Reducer(
+            self.watch, specs, deadline=self.deadline, comm_hook=hook,
+            reduction=self.reduction, find_unused_parameters=self.find_unused_parameters,
+            gradient_as_bucket_view=self.gradient_as_bucket_view,
+            check_finite=self.check_finite, layouts=self.layouts, sharding=sharding,
+        )  # fmt: skip
+        new.num_reductions = self.num_reductions  # the same watch: step tags continue
+        return new
 
     def resume_from(self, num_reductions: int) -> None:
         """Continue the step count of a checkpoint whose parameters were loaded on every rank."""

@@ -195,8 +195,6 @@ def attach_sharded_optimizer(
 ) -> ShardedOptimizer:
     """``DistributedDataParallel.shard_optimizer``: build the optimizer on the wrapper's buckets
     and give the wrapper a reducer that reduce-scatters into its shards."""
-    from gradsync.ddp.param_watch import ParameterWatch
-    from gradsync.ddp.reducer import Reducer
 
     old = wrapper.reducer
     if wrapper._forward_ran or old.sharding is not None:
@@ -219,12 +217,8 @@ def attach_sharded_optimizer(
         params, optimizer_class, process_group=deadline.group, buckets=buckets, **defaults
     )
     shards = GradientShards(opt, deadline, wrapper.module)
-    watch = ParameterWatch(wrapper.module)
-    watch.count_updates = shards.updates  # each rank steps a different number of slices
-    wrapper.reducer = Reducer(
-        watch, wrapper.bucket_specs, deadline=deadline, comm_hook=shards.hook,
-        reduction=old.reduction, find_unused_parameters=old.find_unused_parameters,
-        gradient_as_bucket_view=old.gradient_as_bucket_view, sharding=shards,
-    )  # fmt: skip
+    old.watch.count_updates = shards.updates  # each rank steps a different number of slices
+    old.watch.rebase()
+    wrapper.reducer = old.successor(wrapper.bucket_specs, comm_hook=shards.hook, sharding=shards)
     shards.hook.bind(wrapper.reducer.buckets, opt)
     return opt

@@ -66,6 +66,12 @@ def data_parallel_mesh(mesh: DeviceMesh) -> DeviceMesh:
     return mesh["dp", "cp"]
 
 
+def data_parallel_index(mesh: DeviceMesh) -> int:
+    """This rank's position among the data-parallel ranks (dp x cp, cp fastest): the same on
+    every tp rank of one replica, which must start from the same weights."""
+    return mesh["dp"].get_local_rank() * mesh["cp"].size() + mesh["cp"].get_local_rank()
+
+
 def make_model(cfg: GPTConfig, mesh: DeviceMesh, seed: int, dtype: torch.dtype) -> GPT:
     """The GPT with this rank's tensor-parallel shards and context-parallel attention."""
     torch.manual_seed(seed)

@@ -85,7 +85,7 @@ def _rank(rank: int, world: int, report: MeshReport, seed: int) -> list | None:
     mesh = report.layout.build_mesh()
     # Replicas start different, as an unseeded job does; the tp ranks of one replica must
     # agree (torch's parallelize_module shards from one tensor), so the seed follows dp x cp.
-    index = mesh["dp"].get_local_rank() * mesh["cp"].size() + mesh["cp"].get_local_rank()
+    index = mesh_run.data_parallel_index(mesh)
     cfg = builtin.make_model().cfg
     model = mesh_run.make_model(cfg, mesh, seed=seed + index, dtype=torch.float32)
     ddp = DistributedDataParallel(
