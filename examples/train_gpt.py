@@ -14,8 +14,8 @@ sequences, chosen by a ``DistributedSampler`` reshuffled every epoch with ``set_
 end rank 0 retrains the same model in one process on the same global batches and prints the
 largest parameter difference: PASS means N-process training was the same computation. With
 ``--compression bf16|fp16|powersgd`` the gradients travel in a lossy format: the job then prints
-the final losses of both runs (mean of the last 10 steps) and passes when the compressed run's
-exceeds the exact one's by at most the format's band (0.5 %, 0.5 %, 2 %).
+the final losses of both runs (the final weights on a fixed set of sequences) and passes when
+the compressed run's exceeds the exact one's by at most the format's band (0.5 %, 0.5 %, 2 %).
 
 Every ``--save-every`` steps all ranks save the whole training state (model, optimizer, data
 position, RNG states) to ``OUT/checkpoints/step_N``; a restarted job (by ``torchrun
@@ -26,6 +26,8 @@ run that never stopped.
 from __future__ import annotations
 
 import argparse
+import json
+import math
 import os
 import sys
 import time
@@ -42,7 +44,10 @@ from gradsync.data import DistributedSampler
 from gradsync.testing.corpus import CharDataset, generate_corpus
 from gradsync.testing.gpt import GPT, GPTConfig, lm_loss
 
-FINAL_STEPS = 10  # the final loss is the mean over this many last steps (one step is noisy)
+# The final loss is that of the final weights on a fixed set of sequences (the corpus's first
+# EVAL_SEQUENCES, in order), the same for every run: a training step's loss moves by several
+# percent from one batch to the next, which would drown a comparison of wire formats.
+EVAL_SEQUENCES = 512
 # How far the final loss of a lossy wire format may exceed that of exact training (relative,
 # same seeds and data; the issue's targets). bf16/fp16 round each gradient element once
 # (relative error 2**-8 / 2**-11, unbiased on average), so Adam's path stays close; PowerSGD
@@ -60,6 +65,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--global-batch", type=int, default=32, help="sequences per optimizer step")
     p.add_argument("--block-size", type=int, default=64)
     p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--lr-schedule", choices=["cosine", "constant"], default="cosine")
+    p.add_argument("--seed", type=int, default=0, help="seeds the weights and the data order")
     p.add_argument("--bucket-cap-mb", type=float, default=25.0)
     p.add_argument("--out", default="runs/gpt", help="folder for the checkpoints")
     p.add_argument("--save-every", type=int, default=25, help="checkpoint every N steps (0: never)")
@@ -84,14 +91,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "one cannot match 1 process to 1e-7: the check then compares final losses instead",
     )
     p.add_argument("--powersgd-rank", type=int, default=4, help="rank of PowerSGD's matrices")
+    p.add_argument(
+        "--powersgd-start-iter", type=int, default=0, help="exact steps before PowerSGD starts"
+    )
     p.add_argument("--tolerance", type=float, default=None, help="PASS threshold")
     p.add_argument("--no-reference", action="store_true", help="skip the 1-process comparison")
     p.add_argument("--timeout-s", type=float, default=120.0, help="process-group timeout")
+    p.add_argument(
+        "--losses-out", default=None, help="write the loss every 10 steps (mean over ranks), JSON"
+    )
     return p.parse_args(argv)
 
 
-def make_model(vocab_size: int, block_size: int, dtype: str) -> GPT:
-    torch.manual_seed(0)
+def make_model(vocab_size: int, block_size: int, dtype: str, seed: int = 0) -> GPT:
+    torch.manual_seed(seed)
     return GPT(GPTConfig(vocab_size=vocab_size, block_size=block_size)).to(getattr(torch, dtype))
 
 
@@ -99,7 +112,7 @@ def make_compression(args: argparse.Namespace) -> str | gradsync.comm.PowerSGD |
     if args.compression == "none":
         return None
     if args.compression == "powersgd":
-        return gradsync.comm.PowerSGD(rank=args.powersgd_rank)
+        return gradsync.comm.PowerSGD(rank=args.powersgd_rank, start_iter=args.powersgd_start_iter)
     return str(args.compression)
 
 
@@ -107,10 +120,21 @@ def make_optimizer(params, lr: float) -> torch.optim.Optimizer:  # type: ignore[
     return torch.optim.AdamW(params, lr=lr, weight_decay=0.01)
 
 
-def global_batches(dataset: CharDataset, world: int, per_rank: int, epochs: int, max_steps: int):  # type: ignore[no-untyped-def]
+def set_lr(opt: torch.optim.Optimizer, args: argparse.Namespace, step: int, total: int) -> None:
+    """Cosine decay from ``--lr`` to a tenth of it over the run. A function of the step alone
+    (no scheduler state), so a resumed run sets the same rate; and a run that ends on a small
+    rate ends on settled weights, whose loss says more than one taken mid-oscillation."""
+    if args.lr_schedule == "cosine":
+        lr = args.lr * (0.1 + 0.45 * (1 + math.cos(math.pi * step / max(total, 1))))
+        for group in opt.param_groups:
+            group["lr"] = lr
+
+
+def global_batches(dataset: CharDataset, world: int, per_rank: int, args: argparse.Namespace):  # type: ignore[no-untyped-def]
     """The sample indices of every global batch, rebuilt from every rank's sampler."""
+    epochs, max_steps = args.epochs, args.max_steps
     samplers = [
-        DistributedSampler(dataset, world, r, shuffle=True, seed=0, drop_last=True)
+        DistributedSampler(dataset, world, r, shuffle=True, seed=args.seed, drop_last=True)
         for r in range(world)
     ]
     steps = []
@@ -130,21 +154,32 @@ def train_reference(
     dataset: CharDataset, init_state: dict, args: argparse.Namespace, world: int, per_rank: int
 ) -> tuple[GPT, float]:
     """The same training in one process on the concatenated batches: the model and its final
-    loss (mean over the last ``FINAL_STEPS`` steps)."""
-    model = make_model(dataset.vocab_size, args.block_size, args.dtype)
+    loss (see :func:`evaluate`)."""
+    model = make_model(dataset.vocab_size, args.block_size, args.dtype, args.seed)
     model.load_state_dict(init_state)
     opt = make_optimizer(model.parameters(), args.lr)
-    batches = global_batches(dataset, world, per_rank, args.epochs, args.max_steps)
-    losses: list[float] = []
-    for indices in tqdm(batches, desc="1-process reference", leave=False):
+    batches = global_batches(dataset, world, per_rank, args)
+    for step, indices in enumerate(tqdm(batches, desc="1-process reference", leave=False)):
         x = torch.stack([dataset[i][0] for i in indices])
         y = torch.stack([dataset[i][1] for i in indices])
+        set_lr(opt, args, step, len(batches))
         opt.zero_grad()
         loss = lm_loss(model(x), y)
         loss.backward()
         opt.step()
-        losses.append(loss.item())
-    return model, sum(losses[-FINAL_STEPS:]) / len(losses[-FINAL_STEPS:])
+    return model, evaluate(model, dataset)
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, dataset: CharDataset) -> float:
+    """Mean loss of ``model`` over the first ``EVAL_SEQUENCES`` sequences, in order."""
+    n = min(EVAL_SEQUENCES, len(dataset))
+    total = 0.0
+    for start in range(0, n, 64):
+        pairs = [dataset[i] for i in range(start, min(start + 64, n))]
+        x, y = torch.stack([p[0] for p in pairs]), torch.stack([p[1] for p in pairs])
+        total += lm_loss(model(x), y).item() * len(pairs)
+    return total / n
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -164,9 +199,9 @@ def main(argv: list[str] | None = None) -> int:
     per_rank = args.global_batch // world
 
     dataset = CharDataset(generate_corpus(args.sentences), args.block_size)
-    sampler = DistributedSampler(dataset, world, rank, shuffle=True, seed=0, drop_last=True)
+    sampler = DistributedSampler(dataset, world, rank, shuffle=True, seed=args.seed, drop_last=True)
     loader = DataLoader(dataset, batch_size=per_rank, sampler=sampler, drop_last=True)
-    model = make_model(dataset.vocab_size, args.block_size, args.dtype)
+    model = make_model(dataset.vocab_size, args.block_size, args.dtype, args.seed)
     ddp = gradsync.DistributedDataParallel(
         model, bucket_cap_mb=args.bucket_cap_mb, compression=make_compression(args)
     )
@@ -189,22 +224,23 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     total = args.epochs * len(loader) if not args.max_steps else args.max_steps
     bar = tqdm(total=total, initial=step, desc="train", disable=rank != 0)
-    last_losses: list[torch.Tensor] = []  # this rank's, of the last FINAL_STEPS steps
+    curve: dict[int, float] = {}  # step -> loss (mean over ranks), every 10 steps
     for epoch in range(sampler.epoch, args.epochs):  # a resumed sampler knows its epoch
         sampler.set_epoch(epoch)  # a new shuffle every epoch, the same on every rank
         for x, y in loader:  # after a resume: the rest of the epoch
             if step == total:
                 break
+            set_lr(opt, args, step, total)
             opt.zero_grad()
             loss = lm_loss(ddp(x), y)
             loss.backward()  # gradients are averaged over ranks by the time this returns
             opt.step()
             step += 1
-            last_losses = [*last_losses[-FINAL_STEPS + 1 :], loss.detach().clone()]
             if step % 10 == 0 or step == total:
                 mean_loss = loss.detach().clone()
                 dist.all_reduce(mean_loss)  # every rank calls it: no rank-0-only collective
-                bar.set_postfix(epoch=epoch, loss=f"{mean_loss.item() / world:.3f}")
+                curve[step] = mean_loss.item() / world
+                bar.set_postfix(epoch=epoch, loss=f"{curve[step]:.3f}")
             bar.update()
             if args.save_every and step % args.save_every == 0:
                 (ckpt.async_save if args.async_save else ckpt.save)(step)
@@ -212,7 +248,6 @@ def main(argv: list[str] | None = None) -> int:
             break
     ckpt.wait()  # an asynchronous save still being written
     bar.close()
-    final_loss = mean_over_ranks(last_losses, world)
     elapsed = time.perf_counter() - t0
     if rank == 0:  # the trained model in one file, for use outside this job
         path = save_checkpoint(
@@ -220,19 +255,23 @@ def main(argv: list[str] | None = None) -> int:
             os.path.join(args.out, "checkpoint.pt"),
         )
 
-    status = 0
+    status, final_loss = 0, float("nan")
     if rank == 0:
         print(f"trained {step} steps in {elapsed:.1f} s; checkpoint: {path}")
+        final_loss = evaluate(model, dataset)
         print(
-            f"final loss (mean of the last {FINAL_STEPS} steps, all ranks): {final_loss:.6f} "
-            f"(compression {args.compression})"
+            f"final loss (the final weights on the first {EVAL_SEQUENCES} sequences): "
+            f"{final_loss:.6f} (compression {args.compression})"
         )
-        restored = make_model(dataset.vocab_size, args.block_size, args.dtype)
+        restored = make_model(dataset.vocab_size, args.block_size, args.dtype, args.seed)
         restored.load_state_dict(load_checkpoint(path)["model"])  # weights_only=True
         saved, live = restored.state_dict(), model.state_dict()
         if not all(torch.equal(saved[k], live[k]) for k in live):
             raise RuntimeError(f"checkpoint {path} does not reload to the trained weights")
         print("checkpoint reloads with torch.load(weights_only=True) into a plain GPT: ok")
+        if args.losses_out:
+            with open(args.losses_out, "w") as f:
+                json.dump({"final": final_loss, "every_10_steps": curve}, f)
     # Other ranks are done; rank 0 alone builds the 1-process reference.
     dist.destroy_process_group()
     if rank == 0 and not args.no_reference:
@@ -243,15 +282,6 @@ def main(argv: list[str] | None = None) -> int:
         )
         status = compare(args, world, diff, final_loss, reference_loss)
     return status
-
-
-def mean_over_ranks(losses: list[torch.Tensor], world: int) -> float:
-    """Mean of every rank's last losses (collective: every rank calls it). Equal per-rank
-    batches make it the loss of the global batch, the number the 1-process run computes."""
-    total = torch.stack(losses).sum() if losses else torch.zeros((), dtype=torch.float64)
-    count = torch.tensor([total.item(), float(len(losses))], dtype=torch.float64)
-    dist.all_reduce(count)
-    return count[0].item() / count[1].item() if count[1] else float("nan")
 
 
 def compare(
