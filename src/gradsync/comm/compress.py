@@ -78,7 +78,7 @@ def sum_with_fp32_accumulation(
     dist.all_to_all_single(received, send, group=group)
     mine = received.view(world, chunk).to(torch.float32).sum(0).to(wire_dtype)  # rounded once
     gathered = torch.empty_like(send)
-    dist.all_gather_single(gathered, mine, group=group)
+    dist.all_gather_into_tensor(gathered, mine, group=group)
     flat.copy_(gathered[: flat.numel()])
     return 2 * (world - 1) * chunk * send.element_size()
 

@@ -137,34 +137,71 @@ class Bucket:
     def reset(self) -> None:
         self.ready = [False] * len(self.params)
         self.pending = len(self.params)
+        self.arrived: list[int] = []  # slots whose hook fired, not copied in yet (see gather)
         self.filled_late = False  # some slot was filled at the end of backward, not by a hook
         self.work = None
+
+    def arrive(self, slot: int) -> None:
+        """``params[slot]``'s hook fired: its gradient is final for this backward. The copy
+        into the buffer waits for :meth:`gather`, once the whole bucket has arrived."""
+        self.ready[slot] = True
+        self.pending -= 1
+        self.arrived.append(slot)
+
+    def gather(self, as_view: bool, scale: float | None) -> None:
+        """Copy (times ``scale``) every arrived gradient into the buffer: one ``_foreach_copy_``
+        and one ``_foreach_mul_`` for the bucket instead of a copy per hook, which is what
+        keeps the per-parameter cost of the hook path low (a kernel launch each, on a GPU)."""
+        dst: list[torch.Tensor] = []
+        src: list[torch.Tensor] = []
+        in_place: list[torch.Tensor] = []  # .grad already is the view (gradient_as_bucket_view)
+        for slot in self.arrived:
+            param, view = self.params[slot], self.views[slot]
+            grad = param.grad
+            if self.layouts[slot] is not None or grad is None:
+                self._copy_in(slot, as_view, scale)  # DTensor: see [Note: Partial gradients]
+            elif grad.data_ptr() == view.data_ptr():
+                in_place.append(view)
+            else:
+                dst.append(view)
+                src.append(grad)
+                if as_view:
+                    param.grad = view
+        self.arrived = []
+        if dst:
+            torch._foreach_copy_(dst, src)
+        if scale is not None and (dst or in_place):
+            torch._foreach_mul_(dst + in_place, scale)
 
     def mark_param_as_ready(
         self, slot: int, as_view: bool, scale: float | None = None, zeros: bool = False
     ) -> None:
         """Put ``params[slot].grad`` times ``scale`` (zeros if it has none, or if ``zeros``)
-        into the buffer. Scaling while copying saves a second pass over the bucket, as torch
-        DDP does with its pre-division."""
+        into the buffer now: for a slot filled at the end of backward, not by its hook."""
         assert not self.ready[slot], "a parameter was marked ready twice in one backward"
+        self._copy_in(slot, as_view, scale, zeros)
+        self.ready[slot] = True
+        self.pending -= 1
+
+    def _copy_in(self, slot: int, as_view: bool, scale: float | None, zeros: bool = False) -> None:
+        # Scaling while copying saves a second pass over the gradient, as torch DDP does with
+        # its pre-division.
         param, view, layout = self.params[slot], self.views[slot], self.layouts[slot]
         grad = param.grad
         if grad is None or zeros:
             view.zero_()
-        else:
-            if layout is not None:
-                grad = layout.local_grad(grad)  # see [Note: Partial gradients]
-            if grad.data_ptr() != view.data_ptr():
-                if scale is None:
-                    view.copy_(grad)
-                else:
-                    torch.mul(grad, scale, out=view)
-                if as_view:
-                    param.grad = view if layout is None else layout.wrap(view)
-            elif scale is not None:
-                view.mul_(scale)  # .grad already is the view (gradient_as_bucket_view)
-        self.ready[slot] = True
-        self.pending -= 1
+            return
+        if layout is not None:
+            grad = layout.local_grad(grad)  # see [Note: Partial gradients]
+        if grad.data_ptr() != view.data_ptr():
+            if scale is None:
+                view.copy_(grad)
+            else:
+                torch.mul(grad, scale, out=view)
+            if as_view:
+                param.grad = view if layout is None else layout.wrap(view)
+        elif scale is not None:
+            view.mul_(scale)  # .grad already is the view (gradient_as_bucket_view)
 
     def write_back(self, slot: int, as_view: bool) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Give ``params[slot]`` its reduced gradient; returns ``(destination, source)`` when

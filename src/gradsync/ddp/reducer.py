@@ -38,6 +38,8 @@ from gradsync.ddp.reduction import Reduction
 from gradsync.ddp.results import read_results
 from gradsync.ddp.step_checks import (
     check_tags,
+    gradient_twice,
+    gradient_without_forward,
     nonfinite_params,
     raise_if_unused,
     raise_nonfinite,
@@ -75,6 +77,8 @@ class Reducer:
     (:meth:`prepare_for_backward`) and each rank waiting in ``join()`` (:meth:`shadow_backward`);
     autograd hooks and the end-of-backward callback do the rest.
     """
+
+    _scale: float | None = None  # this backward's pre-division (see Reduction)
 
     def __init__(
         self,
@@ -218,43 +222,39 @@ class Reducer:
 
     # -- backward side --------------------------------------------------------------------
     def _make_hook(self, index: int) -> Callable[[torch.Tensor], None]:
+        b, slot = self.location[index]
+
         def hook(param: torch.Tensor) -> None:
             try:
-                self._on_grad_ready(index)
+                self._on_grad_ready(index, b, slot)
             except GradsyncError as exc:
                 self.deadline.record_error(exc)  # so that the peers' timeout can name it
                 raise
 
         return hook
 
-    def _on_grad_ready(self, index: int) -> None:
+    def _on_grad_ready(self, index: int, b: int, slot: int) -> None:
+        # Runs once per parameter per backward: keep it short (benchmarks/hook_overhead.py).
         self.used[index] = True
-        if self.phase is _Phase.ACCUMULATING:
+        phase = self.phase
+        if phase is _Phase.REDUCING:
+            pass
+        elif phase is _Phase.ACCUMULATING:
             return
-        if self.phase is _Phase.UNPREPARED:
-            raise ProtocolError(
-                f"parameter '{self.names[index]}' got a gradient on rank {self.rank}, "
-                "but no forward ran through the DistributedDataParallel wrapper since the last "
-                "synchronised backward, so this gradient would never be synchronised. Call the "
-                "wrapper (not .module) for training forwards, and run a new forward before each "
-                "backward."
-            )
-        if self.phase is _Phase.ARMED:
+        elif phase is _Phase.UNPREPARED:
+            raise gradient_without_forward(self.names[index], self.rank)
+        else:  # ARMED: the first gradient of a synchronised backward
             self._start_reduction()
-        b, slot = self.location[index]
         bucket = self.buckets[b]
         if bucket.ready[slot]:
-            raise ProtocolError(
-                f"parameter '{self.names[index]}' produced a gradient twice in one "
-                "backward pass (reentrant checkpointing?); this is not supported"
-            )
-        scale = self.reduction.pre_division(self.num_active)
-        bucket.mark_param_as_ready(slot, self.gradient_as_bucket_view, scale)
+            raise gradient_twice(self.names[index])
+        bucket.arrive(slot)
         if bucket.pending == 0:
             self._launch_ready_buckets()
 
     def _start_reduction(self) -> None:
         self.phase = _Phase.REDUCING
+        self._scale = self.reduction.pre_division(self.num_active)
         self.deadline.begin(f"the gradient reduction of step {self.num_reductions}")
         self._write_tag(contributes=True)
         self.reduction.start_item_exchange(contributes=True)
@@ -282,6 +282,7 @@ class Reducer:
             self.next_bucket += 1
 
     def _launch(self, bucket: Bucket) -> None:
+        bucket.gather(self.gradient_as_bucket_view, self._scale)
         if self.check_finite:
             self._local_nonfinite += nonfinite_params(bucket, self.names)
         if bucket.filled_late:
@@ -352,7 +353,7 @@ class Reducer:
 
     def _launch_remaining(self, zeros: bool) -> None:
         # Buckets holding parameters without a gradient in this pass never filled up.
-        scale = self.reduction.pre_division(self.num_active)
+        scale = self._scale = self.reduction.pre_division(self.num_active)
         for bucket in self.buckets[self.next_bucket :]:
             for slot in range(len(bucket.params)):
                 if not bucket.ready[slot]:

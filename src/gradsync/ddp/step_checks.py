@@ -128,3 +128,20 @@ def raise_nonfinite(bad_buckets: list[int], nonfinite_here: list[str], deadline:
         "raised this error, so catching it on every rank and calling optimizer.zero_grad() "
         "skips the step consistently."
     )
+
+
+def gradient_without_forward(name: str, rank: int) -> ProtocolError:
+    """A hook fired though no forward ran through the wrapper since the last reduction."""
+    return ProtocolError(
+        f"parameter '{name}' got a gradient on rank {rank}, but no forward ran through the "
+        "DistributedDataParallel wrapper since the last synchronised backward, so this "
+        "gradient would never be synchronised. Call the wrapper (not .module) for training "
+        "forwards, and run a new forward before each backward."
+    )
+
+
+def gradient_twice(name: str) -> ProtocolError:
+    return ProtocolError(
+        f"parameter '{name}' produced a gradient twice in one backward pass (reentrant "
+        "checkpointing?); this is not supported"
+    )

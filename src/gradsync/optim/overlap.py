@@ -93,7 +93,7 @@ class _Wire(CommHook):
         grads, exact = bucket.grads, tail(bucket)  # grads: padded to the equal slices
         if self.native:
             out = self.grad_shards[bucket.spec.index]
-            scatter = dist.reduce_scatter_single(out, grads, group=self.group, async_op=True)
+            scatter = dist.reduce_scatter_tensor(out, grads, group=self.group, async_op=True)
             return _Both(scatter, dist.all_reduce(exact, group=self.group, async_op=True))
 
         def job() -> None:
@@ -108,7 +108,7 @@ class _Wire(CommHook):
         if dist.get_world_size(self.group) == 1:
             return None
         if self.native:
-            return dist.all_gather_single(flat, shard, group=self.group, async_op=True)
+            return dist.all_gather_into_tensor(flat, shard, group=self.group, async_op=True)
         return self.worker.submit(lambda: self.runner.all_gather(flat, self.ring))
 
 

@@ -286,7 +286,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             if self.world_size == 1:
                 handles.append(None)
                 continue
-            work = dist.all_gather_single(
+            work = dist.all_gather_into_tensor(
                 b.data, b.shard, group=self.process_group, async_op=async_op
             )
             handles.append(work)
