@@ -115,8 +115,11 @@ class Bucket:
         num_tags: int = 0,
         layouts: Sequence[GradLayout | None] | None = None,
         padded_numel: int | None = None,
+        accumulates: bool = False,
     ) -> None:
         self.spec = spec
+        # Hooks add gradients into the buffer and free .grad: [Note: main gradients].
+        self.accumulates = accumulates
         self.params = list(params)
         self.layouts = list(layouts) if layouts is not None else [None] * len(self.params)
         device = self.params[0].device
@@ -146,12 +149,26 @@ class Bucket:
         into the buffer waits for :meth:`gather`, once the whole bucket has arrived."""
         self.ready[slot] = True
         self.pending -= 1
-        self.arrived.append(slot)
+        if self.accumulates:
+            self.accumulate(slot)
+        else:
+            self.arrived.append(slot)
+
+    def accumulate(self, slot: int) -> None:
+        """Add ``params[slot].grad`` to its slot in the buffer's dtype and free it."""
+        param = self.params[slot]
+        if param.grad is not None:
+            self.views[slot].add_(param.grad)
+            param.grad = None
 
     def gather(self, as_view: bool, scale: float | None) -> None:
         """Copy (times ``scale``) every arrived gradient into the buffer: one ``_foreach_copy_``
         and one ``_foreach_mul_`` for the bucket instead of a copy per hook, which is what
         keeps the per-parameter cost of the hook path low (a kernel launch each, on a GPU)."""
+        if self.accumulates:  # everything is in the buffer already, unscaled
+            if scale is not None:
+                self.grads.mul_(scale)
+            return
         dst: list[torch.Tensor] = []
         src: list[torch.Tensor] = []
         in_place: list[torch.Tensor] = []  # .grad already is the view (gradient_as_bucket_view)
@@ -188,6 +205,10 @@ class Bucket:
         # its pre-division.
         param, view, layout = self.params[slot], self.views[slot], self.layouts[slot]
         grad = param.grad
+        if self.accumulates:  # the slot holds what the window accumulated; scaled in gather
+            if zeros:
+                view.zero_()
+            return
         if grad is None or zeros:
             view.zero_()
             return
@@ -203,11 +224,31 @@ class Bucket:
         elif scale is not None:
             view.mul_(scale)  # .grad already is the view (gradient_as_bucket_view)
 
+    def results(
+        self, counts: Sequence[float], as_view: bool
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Give every parameter used on some rank (``counts``) its reduced gradient; returns
+        the ``(destination, source)`` pairs that are copies, to be done in one batch."""
+        copies = []
+        for slot, count in enumerate(counts):
+            if count == 0:
+                continue  # unused on every rank: like one process, leave .grad as it was
+            copy = self.write_back(slot, as_view)
+            if copy is not None:
+                copies.append(copy)
+        return copies
+
     def write_back(self, slot: int, as_view: bool) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Give ``params[slot]`` its reduced gradient; returns ``(destination, source)`` when
         that is a copy, so the caller can batch all copies into one ``_foreach_copy_``."""
         param, view, layout = self.params[slot], self.views[slot], self.layouts[slot]
         grad = param.grad
+        if self.accumulates:
+            param.main_grad = view  # type: ignore[attr-defined]
+            if grad is None:
+                param.grad = view.to(param.dtype, copy=True)
+                return None
+            return grad, view
         if as_view:
             param.grad = view if layout is None else layout.wrap(view)
         elif grad is None:

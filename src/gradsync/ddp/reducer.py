@@ -93,6 +93,7 @@ class Reducer:
         check_finite: bool = False,
         layouts: Sequence[GradLayout | None] = (),
         sharding: GradientShards | None = None,
+        main_grads: bool = False,
     ) -> None:
         # named_parameters() yields a tied parameter once, so it is reduced once.
         trainable = [(n, p) for n, p in watch.named if p.requires_grad]
@@ -112,21 +113,19 @@ class Reducer:
         num_tags = NUM_FIELDS * self.world_size  # in the first bucket only: [Note: step tags]
         self.layouts = layouts = list(layouts) or [None] * len(self.params)  # DTensors only
         self.sharding = sharding  # see [Note: sharded steps in the wrapper]
+        self.main_grads = main_grads  # see [Note: main gradients] in main_grads.py
         self.buckets = [
             Bucket(
-                s,
-                [self.params[i] for i in s.param_indices],
-                num_tags * (b == 0),
+                s, [self.params[i] for i in s.param_indices], num_tags * (b == 0),
                 [layouts[i] for i in s.param_indices],
                 sharding.padded_numels[b] if sharding is not None else None,
+                accumulates=main_grads,
             )
             for b, s in enumerate(specs)
-        ]
-        # param index -> (bucket index, slot in bucket)
-        self.location: dict[int, tuple[int, int]] = {}
-        for b, spec in enumerate(specs):
-            for slot, i in enumerate(spec.param_indices):
-                self.location[i] = (b, slot)
+        ]  # fmt: skip
+        self.location = {  # param index -> (bucket index, slot in bucket)
+            i: (b, slot) for b, s in enumerate(specs) for slot, i in enumerate(s.param_indices)
+        }
         self.phase = _Phase.UNPREPARED
         self.next_bucket = 0
         self.used = [False] * len(self.params)  # used during the current accumulation window
@@ -169,6 +168,7 @@ class Reducer:
             reduction=self.reduction, find_unused_parameters=self.find_unused_parameters,
             gradient_as_bucket_view=self.gradient_as_bucket_view,
             check_finite=self.check_finite, layouts=self.layouts, sharding=sharding,
+            main_grads=self.main_grads,
         )  # fmt: skip
         new.num_reductions = self.num_reductions  # the same watch: step tags continue
         return new
@@ -204,6 +204,8 @@ class Reducer:
         how many active ranks (``None``: all of them; fewer inside ``join()``). Only
         ``training`` forwards count in the step tag (eval forwards may run on one rank)."""
         self.check_forward_allowed()
+        if self.main_grads and self.phase is _Phase.UNPREPARED:  # a new accumulation window
+            torch._foreach_zero_([bucket.grads for bucket in self.buckets])
         self.phase = _Phase.ARMED if sync else _Phase.ACCUMULATING
         self.num_active = self.world_size if num_active is None else num_active
         if training:
@@ -240,6 +242,8 @@ class Reducer:
         if phase is _Phase.REDUCING:
             pass
         elif phase is _Phase.ACCUMULATING:
+            if self.main_grads:
+                self.buckets[b].accumulate(slot)
             return
         elif phase is _Phase.UNPREPARED:
             raise gradient_without_forward(self.names[index], self.rank)
@@ -384,16 +388,7 @@ class Reducer:
         self.phase = _Phase.UNPREPARED
 
     def _write_back(self, counts: list[list[float]]) -> None:
-        copy_dst: list[torch.Tensor] = []
-        copy_src: list[torch.Tensor] = []
-        for bucket, bucket_counts in zip(self.buckets, counts, strict=True):
-            for slot in range(len(bucket.params)):
-                if bucket_counts[slot] == 0:
-                    # Unused on every rank: like single-process training, leave .grad as it was.
-                    continue
-                copy = bucket.write_back(slot, self.gradient_as_bucket_view)
-                if copy is not None:
-                    copy_dst.append(copy[0])
-                    copy_src.append(copy[1])
-        if copy_dst:
-            torch._foreach_copy_(copy_dst, copy_src)  # one call instead of one per parameter
+        view = self.gradient_as_bucket_view
+        copies = [c for b, n in zip(self.buckets, counts, strict=True) for c in b.results(n, view)]
+        if copies:  # one call instead of one per parameter
+            torch._foreach_copy_([dst for dst, _ in copies], [src for _, src in copies])

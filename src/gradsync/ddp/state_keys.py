@@ -1,9 +1,12 @@
-"""State-dict keys of a wrapped model: the prefixes wrapping adds, and taking them off again."""
+"""What a checkpoint holds of a wrapper: the module's keys without the prefixes wrapping adds,
+and gradsync's own training state (step counter, last replica check, compression state)."""
 
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping
 from typing import Any
+
+from gradsync.errors import ProtocolError
 
 _PREFIXES = ("module.", "_orig_mod.")  # added by wrapping in DDP and by torch.compile
 
@@ -30,3 +33,30 @@ def strip_prefixes(
         return versions[-1]
     own = set(own_keys)
     return max(versions, key=lambda version: len(own.intersection(version)))
+
+
+def sync_state(wrapper: Any) -> dict[str, Any]:
+    """``DistributedDataParallel.sync_state_dict()``; refuses inside a window or ``join()``."""
+    if wrapper.reducer.window_forwards or wrapper._joining:
+        where = "inside join()" if wrapper._joining else "inside an accumulation window"
+        raise ProtocolError(
+            f"a checkpoint was requested {where}: the gradients accumulated so far would "
+            "be lost; save after optimizer.step(), outside join()"
+        )
+    state: dict[str, Any] = {
+        "num_reductions": wrapper.reducer.num_reductions,
+        "replicas_checked_at": wrapper._replicas_checked_at,
+    }
+    comm = wrapper.reducer.comm_hook.state_dict()
+    if comm:
+        state["comm"] = comm
+    return state
+
+
+def load_sync_state(wrapper: Any, state: Mapping[str, Any]) -> None:
+    """``DistributedDataParallel.load_sync_state_dict()``."""
+    sync_state(wrapper)  # the same refusal
+    wrapper.reducer.resume_from(int(state["num_reductions"]))
+    wrapper._replicas_checked_at = int(state["replicas_checked_at"])
+    if "comm" in state:
+        wrapper.reducer.comm_hook.load_state_dict(state["comm"])

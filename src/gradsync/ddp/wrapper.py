@@ -25,12 +25,13 @@ from gradsync.ddp.buckets import BucketSpec, cap_to_bytes, plan_buckets
 from gradsync.ddp.deadline import Deadline, as_timedelta
 from gradsync.ddp.diagnostics import check_can_wrap, check_replicas, warn_if_same_batch
 from gradsync.ddp.join import JoinProtocol
+from gradsync.ddp.main_grads import check_main_grad_dtype
 from gradsync.ddp.param_watch import ParameterWatch
 from gradsync.ddp.reducer import Reducer
 from gradsync.ddp.reduction import Reduction, check_reduction
 from gradsync.ddp.replicas import broadcast_from, check_same_model, describe
-from gradsync.ddp.state_keys import strip_prefixes
-from gradsync.errors import GradsyncError, ProtocolError
+from gradsync.ddp.state_keys import load_sync_state, strip_prefixes, sync_state
+from gradsync.errors import GradsyncError, UsageError
 from gradsync.mesh.axes import axis_names, data_parallel_group
 from gradsync.mesh.dtensors import grad_layouts, local
 from gradsync.optim.overlap import attach_sharded_optimizer
@@ -83,6 +84,9 @@ class DistributedDataParallel(nn.Module):
             device-to-host sync per bucket).
         check_replicas_every: every this many optimizer steps, compare parameter checksums
             across ranks (:meth:`check_replicas`) at the next forward; 0 disables.
+        main_grad_dtype: e.g. ``torch.float32`` for a bf16 model: gradients are accumulated
+            (micro-batches too) and reduced in this dtype, and land in ``p.main_grad``
+            (``.grad`` gets them rounded); see [Note: main gradients] in ``main_grads.py``.
     """
 
     _torch_hook: Callable[..., Any] | None = None  # set by register_comm_hook
@@ -106,6 +110,7 @@ class DistributedDataParallel(nn.Module):
         timeout: float | timedelta = 300.0,
         check_finite: bool = False,
         check_replicas_every: int = 0,
+        main_grad_dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
         check_can_wrap(module, DistributedDataParallel)
@@ -114,6 +119,9 @@ class DistributedDataParallel(nn.Module):
         self.device_mesh = device_mesh
         self.process_group = process_group = data_parallel_group(process_group, device_mesh)
         self._layouts = grad_layouts(module.named_parameters(), process_group)
+        self.main_grad_dtype = check_main_grad_dtype(
+            main_grad_dtype, gradient_as_bucket_view, self._layouts, module
+        )
         self.reduction = reduction
         self.broadcast_buffers = broadcast_buffers
         self.algorithm = get_algorithm(algorithm)
@@ -125,26 +133,20 @@ class DistributedDataParallel(nn.Module):
         self._autotune = AutoBuckets.create(bucket_cap_mb, first_bucket_cap_mb, compression)
         # Every setting that changes which collectives run must agree across ranks.
         settings = {
-            "bucket_cap_mb": bucket_cap_mb,
-            "first_bucket_cap_mb": first_bucket_cap_mb,
-            "reduction": reduction,
-            "find_unused_parameters": find_unused_parameters,
+            "bucket_cap_mb": bucket_cap_mb, "first_bucket_cap_mb": first_bucket_cap_mb,
+            "reduction": reduction, "find_unused_parameters": find_unused_parameters,
             "gradient_as_bucket_view": gradient_as_bucket_view,
-            "broadcast_buffers": broadcast_buffers,
-            "algorithm": self.algorithm.name,
-            "compression": self._compression_name,
+            "broadcast_buffers": broadcast_buffers, "algorithm": self.algorithm.name,
+            "compression": self._compression_name, "check_finite": check_finite,
             "check_replicas_every": check_replicas_every,
-            "check_finite": check_finite,
-            "device_mesh": axis_names(device_mesh),
-        }
+            "device_mesh": axis_names(device_mesh), "main_grad_dtype": str(main_grad_dtype),
+        }  # fmt: skip
         self._make_replicas_equal(settings)
         self.reducer = self._build_reducer(
-            initial_cap(bucket_cap_mb),
-            first_bucket_cap_mb,
+            initial_cap(bucket_cap_mb), first_bucket_cap_mb,
             find_unused_parameters=find_unused_parameters,
-            gradient_as_bucket_view=gradient_as_bucket_view,
-            check_finite=check_finite,
-        )
+            gradient_as_bucket_view=gradient_as_bucket_view, check_finite=check_finite,
+        )  # fmt: skip
         self._require_sync = True
         self._replicas_checked_at = 0
         self._join_protocol = JoinProtocol(self._deadline)
@@ -174,7 +176,7 @@ class DistributedDataParallel(nn.Module):
         # named_parameters() already yields a tied parameter once, so it is reduced once.
         named = [(n, p) for n, p in watch.named if p.requires_grad]
         self.bucket_specs: list[BucketSpec] = plan_buckets(
-            [(local(p).numel(), p.dtype) for _, p in named],
+            [(local(p).numel(), self.main_grad_dtype or p.dtype) for _, p in named],
             cap_to_bytes(bucket_cap_mb),
             cap_to_bytes(first_bucket_cap_mb),
         )
@@ -187,6 +189,7 @@ class DistributedDataParallel(nn.Module):
             comm_hook=make_comm_hook(self.compression, self.algorithm, group, named),
             reduction=Reduction(self.reduction, group, device),
             layouts=self._layouts,
+            main_grads=self.main_grad_dtype is not None,
             **options,
         )
 
@@ -313,6 +316,8 @@ class DistributedDataParallel(nn.Module):
         (see [Note: sharded steps in the wrapper] in ``gradsync/optim/overlap.py``). The same
         bytes on the wire as plain data parallelism; ``.grad`` stays ``None``: clip with
         ``opt.clip_grad_norm_``. Call it on every rank, once, before the first forward."""
+        if self.main_grad_dtype is not None:
+            raise UsageError("shard_optimizer() does not support main_grad_dtype yet")
         return attach_sharded_optimizer(self, optimizer_class, defaults)
 
     def _parameters_ready(self) -> None:
@@ -364,28 +369,11 @@ class DistributedDataParallel(nn.Module):
         ``join()``: gradients accumulated under ``no_sync()`` are not part of any checkpoint,
         so a checkpoint taken there could not continue the step.
         """
-        if self.reducer.window_forwards or self._joining:
-            where = "inside join()" if self._joining else "inside an accumulation window"
-            raise ProtocolError(
-                f"a checkpoint was requested {where}: the gradients accumulated so far would "
-                "be lost; save after optimizer.step(), outside join()"
-            )
-        state: dict[str, Any] = {
-            "num_reductions": self.reducer.num_reductions,
-            "replicas_checked_at": self._replicas_checked_at,
-        }
-        comm = self.reducer.comm_hook.state_dict()
-        if comm:
-            state["comm"] = comm
-        return state
+        return sync_state(self)
 
     def load_sync_state_dict(self, state: Mapping[str, Any]) -> None:
         """Continue the step counter from a checkpoint (see :meth:`sync_state_dict`)."""
-        self.sync_state_dict()  # the same refusal
-        self.reducer.resume_from(int(state["num_reductions"]))
-        self._replicas_checked_at = int(state["replicas_checked_at"])
-        if "comm" in state:
-            self.reducer.comm_hook.load_state_dict(state["comm"])
+        load_sync_state(self, state)
 
 
 def _new_deadline(group: dist.ProcessGroup | None, timeout: timedelta) -> Deadline:

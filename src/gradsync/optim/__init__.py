@@ -5,14 +5,17 @@ buffers.py   the flat parameter buffer of a bucket; which optimizer classes are 
 sharded.py   ShardedOptimizer: the torch.optim.Optimizer users build
 clip.py      clipping by the global norm of gradients spread over ranks
 state.py     sharded (DCP, reshards) and full (consolidated) state dicts
+master.py    MasterWeights: fp32 weights stepped on fp32 main gradients of a bf16 model
 """
 
 from gradsync.optim.clip import clip_grad_norm_
 from gradsync.optim.layout import Piece, ShardLayout, plan_shards
+from gradsync.optim.master import MasterWeights
 from gradsync.optim.sharded import ShardedOptimizer
 from gradsync.optim.state import StateShard
 
 __all__ = [
+    "MasterWeights",
     "Piece",
     "ShardLayout",
     "ShardedOptimizer",
