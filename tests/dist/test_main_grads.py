@@ -27,6 +27,16 @@ def make_model() -> nn.Module:
     return model.to(torch.bfloat16)
 
 
+class WithUnused(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = make_model()
+        self.unused = nn.Parameter(torch.ones(3, dtype=torch.bfloat16))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
 def batch(step: int, rank: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1000 * step + 10 * rank + micro)
     # Inputs of very different scales make gradient elements of very different sizes: the
@@ -73,6 +83,25 @@ def _run(rank: int, world: int) -> dict[str, Any]:
         grads = [getattr(p, "main_grad", p.grad) for p in model.parameters()]
         out[f"grads {dtype}"] = [g.detach().clone() for g in grads]
         out[f"grad dtypes {dtype}"] = {str(p.grad.dtype) for p in model.parameters()}
+    # The same window with bf16 on the wire: accumulation and the sum stay fp32.
+    model = make_model()
+    wrapped = gradsync.DistributedDataParallel(
+        model, main_grad_dtype=torch.float32, compression="bf16", timeout=TIMEOUT
+    )
+    _window(wrapped, 0, rank)
+    out["grads bf16 wire"] = [p.main_grad.clone() for p in model.parameters()]
+    # A parameter no rank uses keeps .grad None, and the master weights skip it.
+    model = WithUnused()
+    wrapped = gradsync.DistributedDataParallel(
+        model, main_grad_dtype=torch.float32, find_unused_parameters=True, timeout=TIMEOUT
+    )
+    opt = MasterWeights(model.parameters(), torch.optim.AdamW, lr=1e-2)
+    before = model.unused.detach().clone()
+    _window(wrapped, 0, rank)
+    out["unused grad"] = model.unused.grad
+    opt.step()
+    master = opt.master[[id(p) for p in opt.params].index(id(model.unused))]
+    out["unused moved"] = not torch.equal(before.float(), master)  # fp32: sees any step
     # 2. Training: fp32 master weights stepped on the main gradients.
     model = make_model()
     wrapped = gradsync.DistributedDataParallel(
@@ -120,6 +149,9 @@ def test_main_grads_equal_one_process_accumulating_in_fp32() -> None:
         # The same gradients summed in bf16 (autograd's accumulation, a bf16 all-reduce) are
         # off by bf16 roundings: the test can tell the two apart.
         assert bf16_error > 100 * max(fp32_error, 1e-8), (bf16_error, fp32_error)
+        # One bf16 rounding of each rank's contribution and of the sum (compress.py's bound).
+        assert _relative_error(r["grads bf16 wire"], want) < 2 * 2.0**-8
+        assert r["unused grad"] is None and not r["unused moved"]
         assert len(r["errors"]) == 3
         assert "floating-point" in r["errors"][0] and "gradient_as_bucket_view" in r["errors"][1]
         assert "main_grad_dtype" in r["errors"][2]
