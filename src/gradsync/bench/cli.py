@@ -36,9 +36,9 @@ from gradsync.bench import report
 from gradsync.bench.worker import add_model_arguments
 
 DESCRIPTION = """\
-Time one training step of gradsync (bucket caps 0, 1, 5, 25, 100 MB and one bucket), torch's
-DistributedDataParallel and average_gradients, next to compute alone and communication alone,
-on 2 simulated nodes (network namespaces, links shaped to --rate-mbit; needs root) and on
+Time one training step of gradsync (bucket caps 0, 1, 5, 25, 100 MB, one bucket and 'auto'),
+torch's DistributedDataParallel and average_gradients, next to compute alone and communication
+alone, on 2 simulated nodes (network namespaces, links shaped to --rate-mbit; needs root) and on
 loopback; then all-reduce bus bandwidth against the ring bound. --formats adds the wire formats
 (gradsync bf16 and PowerSGD rank 4, torch DDP with bf16_compress_hook and powerSGD_hook) with
 bytes per step. Writes report.md, results.json and two plots to --out. A default run takes ~3

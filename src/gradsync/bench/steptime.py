@@ -27,7 +27,8 @@ class Variant:
 
     name: str
     kind: str  # "naive" (average_gradients), "gradsync", "torch_ddp", or "local" (no sync);
-    # "gradsync_wire" and "torch_ddp_hook": a wire format (see gradsync.bench.wire)
+    # "gradsync_wire" and "torch_ddp_hook": a wire format (see gradsync.bench.wire);
+    # "gradsync_auto": bucket_cap_mb="auto" (the plan it switches to after its profiled steps)
     bucket_cap_mb: float | None = 25.0
     algorithm: str = "native"
     first_bucket_cap_mb: float | None = 1.0
@@ -83,6 +84,8 @@ def _build(
             algorithm=variant.algorithm,
         )
         return ddp, gpt, lambda: None
+    if variant.kind == "gradsync_auto":  # profiles its first steps, then switches plan
+        return gradsync.DistributedDataParallel(gpt, bucket_cap_mb="auto"), gpt, lambda: None
     if variant.kind == "torch_ddp":
         cap = variant.bucket_cap_mb if variant.bucket_cap_mb is not None else 1e6
         tddp = torch.nn.parallel.DistributedDataParallel(gpt, bucket_cap_mb=cap)

@@ -73,6 +73,7 @@ def bench_variants(
         elif cap == 25.0:
             label += " (default)"
         variants.append(Variant(f"gradsync {label}", "gradsync", cap))
+    variants.append(Variant("gradsync bucket_cap_mb='auto'", "gradsync_auto", None))
     variants.append(Variant("torch DDP default", "torch_ddp", 25.0))
     if formats:
         variants += wire.wire_variants()
@@ -100,8 +101,9 @@ def comm_plan(variant: Variant, model: nn.Module) -> list[int]:
     order, which it uses from its third step on and reports in its logging data only after that
     step, so call this after three steps. ``average_gradients``: one call per trainable parameter.
     """
-    if variant.kind in ("local", *wire.WIRE_KINDS):
-        return []  # no replay: a wire format's collectives depend on the data
+    if variant.kind in ("local", "gradsync_auto", *wire.WIRE_KINDS):
+        return []  # no replay: a wire format's collectives depend on the data, auto's plan
+        # is chosen after the steps this runs after
     if variant.kind == "naive":
         return [p.numel() for p in model.parameters() if p.requires_grad]
     if variant.kind == "gradsync":
