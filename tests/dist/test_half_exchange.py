@@ -3,14 +3,15 @@
 ``comm/exchange.py`` (gradsync's sends; the default on gloo) and
 :func:`~gradsync.comm.compress.sum_with_fp32_accumulation` (the backend's all-to-all and
 all-gather; the default elsewhere) on sizes that leave empty, short and padded chunks, with
-segments of 4 and 32 elements (many messages per chunk) and the default 4 MiB (one), for
-world sizes 2, 3 and 4. Checked per case: every rank ends with the same bits; every element is
-within [Note: the half-precision error bound] of the fp64 sum; integer inputs whose sums the
-wire format holds exactly come back exact; and every message sent is of the wire dtype, with
-the bytes the docstrings state. Two controls show the bound is tight enough to tell the
-scheme from the ones it replaces: a ring all-reduce in the wire dtype (each partial sum
-rounded at every hop) and an all-reduce in the wire dtype (torch's compress hooks) exceed it
-from 3 ranks on.
+segments of 4 and 32 elements (many messages per chunk) and the default 1 MiB, for world
+sizes 1 to 4. Checked per case: every rank ends with the same bits, and both paths with the
+same bits; every element is within [Note: the half-precision error bound] of the fp64 sum;
+integer inputs whose sums the wire format holds exactly come back exact; every message sent
+is of the wire dtype, with the bytes the docstrings state. Sums started before the last one
+finished (as the hook runs them) give the bits of sums run one at a time. Two controls show
+the bound is tight enough to tell the scheme from those it replaces: a ring all-reduce in
+the wire dtype (each partial sum rounded at every hop) and an all-reduce in the wire dtype
+(torch's compress hooks) exceed it from 3 ranks on.
 """
 
 from __future__ import annotations
@@ -111,7 +112,7 @@ def grid(rank: int, world: int) -> list[dict[str, Any]]:
 def in_flight(rank: int, world: int) -> dict[str, Any]:
     """Four sums started and finished as the hook does (the next one started before the last
     one finished), with exact tails; the same sums one at a time must give the same bits. The
-    last input is bf16 (accumulated in an fp32 copy), its tail absent."""
+    last input is bf16 (exact on the wire, added in fp32), its tail absent."""
     g = torch.Generator().manual_seed(rank)
     inputs = [torch.randn(n, generator=g) for n in (1003, 0, 257)]
     inputs.append(torch.randn(300, generator=g).to(torch.bfloat16))
@@ -143,7 +144,7 @@ def _check_in_flight(results: list[dict[str, Any]], world: int) -> None:
         for r in results:
             assert torch.equal(r["in_flight"]["tails"][i], expected), (i, r["in_flight"]["tails"])
     # bf16 inputs are exact on the wire and sums of a few of them exact in fp32: the result is
-    # the sum rounded once to bf16, bit for bit (bf16 additions would round it N-1 times).
+    # the sum rounded once to bf16, bit for bit (adding in bf16 would round it N-1 times).
     exact = torch.stack([r["in_flight"]["inputs"][3].double() for r in results]).sum(0)
     assert torch.equal(r0["flats"][3], exact.to(torch.bfloat16))
 
@@ -184,12 +185,23 @@ def grid_and_in_flight(rank: int, world: int) -> dict[str, Any]:
     return {"grid": grid(rank, world), "in_flight": in_flight(rank, world)}
 
 
+def _check_paths_agree(results: list[list[dict[str, Any]]]) -> None:
+    """gloo's exchange and the collective path (NCCL's) give the same bits, at every segment
+    size: each rounds every input once and adds the rounded copies in rank order in fp32."""
+    got = {r["case"]: r["got"] for r in results[0]}
+    for (wire, scheme, segment, numel, kind), value in got.items():
+        if scheme == "exchange":
+            other = got[(wire, "collective", None, numel, kind)]
+            assert torch.equal(value, other), (wire, segment, numel, kind)
+
+
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 @pytest.mark.timeout(240)
 def test_half_precision_exchange(world: int) -> None:
     both = spawn(grid_and_in_flight, world, timeout_s=200)
     _check_in_flight(both, world)
     results = [b["grid"] for b in both]
+    _check_paths_agree(results)
     worst: dict[tuple[str, str], float] = {}
     for i, r in enumerate(results[0]):
         wire, scheme, _, _, kind = r["case"]

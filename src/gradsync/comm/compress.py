@@ -19,9 +19,8 @@ Let ``x_j`` be rank j's (pre-divided) value of one gradient element, ``S = sum_j
 sum, ``u`` the unit roundoff of the wire format (``2**-8`` for bf16, ``2**-11`` for fp16),
 ``eta`` its absolute rounding error below the normal range (``2**-25`` for fp16, ``2**-134``
 for bf16) and ``g = (N-1) u32 / (1 - (N-1) u32)`` with ``u32 = 2**-24`` (fp32 summation of N
-terms). Rounding each input at most once (the owner's own copy of its chunk never travels and
-is not rounded on gloo; the collective path rounds it too), summing the N values in fp32 in
-any order and rounding the sum once gives a result ``r`` with
+terms). Rounding each input once, summing the N rounded values in fp32 (in rank order, on
+both paths) and rounding the sum once gives a result ``r`` with
 
     |r - S| <= u |S| + (u (1 + u) + g (1 + u)**2) sum_j |x_j| + 2 (N + 1) eta
 
@@ -84,7 +83,11 @@ def sum_with_fp32_accumulation(
     received = torch.empty_like(send)
     # Chunk j of ``received`` is rank j's copy of this rank's chunk.
     dist.all_to_all_single(received, send, group=group)
-    mine = received.view(world, chunk).to(torch.float32).sum(0).to(wire_dtype)  # rounded once
+    copies = received.view(world, chunk)
+    total = copies[0].to(torch.float32)
+    for j in range(1, world):  # in rank order, as exchange.py adds them: the same bits
+        total.add_(copies[j])  # widened to fp32 (exactly), added in fp32
+    mine = total.to(wire_dtype)  # rounded once
     gathered = torch.empty_like(send)
     dist.all_gather_single(gathered, mine, group=group)
     flat.copy_(gathered[: flat.numel()])

@@ -3,8 +3,11 @@
 A ring reduce-scatter forwards running partial sums, so with a half-precision wire every
 partial sum would be rounded before each of its N-1 hops. Here the *inputs* travel instead:
 rank p rounds its copy of chunk c once and sends it straight to rank c, which owns that chunk;
-the owner adds the N copies in fp32 (its own unrounded: it never travels) and rounds the sum
-once; then it sends the rounded sum straight to every peer, which only copies it. Each rank
+the owner rounds its own copy too, adds the N rounded copies in fp32, in rank order, and rounds
+the sum once; then it sends the rounded sum straight to every peer, which only copies it. That
+is, bit for bit, what the collective path computes (``compress.py``, used on NCCL), whichever
+rank owns an element: not rounding the owner's copy would be a little more accurate, but would
+make the result depend on the bucket layout and the backend. Each rank
 sends (N-1)/N of the tensor in each half, 2(N-1)/N in all, as in a ring all-reduce, in 2-byte
 elements. See [Note: the half-precision error bound] in ``compress.py``. With 2 ranks every
 byte crosses the link once each way, as in a ring; where several ranks share a node's link the
@@ -52,7 +55,6 @@ DEPTH = 2  # sums in flight: while one's sums travel back, the next one's inputs
 # 1.05M elements 19.8 / 18.4 / 19.3 / 19.5 and 6.3M 110.5 / 108.9 / 112.8 / 109.0 with
 # segments of 4 MiB / 1 MiB / 512 KiB / 256 KiB (gloo's own bf16 all-reduce: 17.5 for 1.05M).
 SEGMENT_BYTES = 1 << 20
-_WIDE = (torch.float32, torch.float64)  # accumulated in place; other inputs in a float32 copy
 
 
 @dataclass
@@ -61,7 +63,7 @@ class _Scratch:
 
     wire: torch.Tensor  # outbox, inbox and result (see DirectExchange.start), wire dtype
     wide: torch.Tensor  # one segment of the inbox, widened to fp32 for the add
-    acc: torch.Tensor  # one segment's fp32 sum, for inputs narrower than fp32
+    acc: torch.Tensor  # one segment's fp32 sum
     tails: torch.Tensor  # the peers' tails
     free: threading.Event = field(default_factory=threading.Event)
 
@@ -114,9 +116,9 @@ class DirectExchange:
         return self.stats.bytes_sent - before
 
     def start(self, flat: torch.Tensor, tail: torch.Tensor | None = None) -> Pending:
-        """Round this rank's inputs once and send each peer its chunk; add the peers' copies of
-        this rank's chunk to its own input in fp32, round each sum once and send it to every
-        peer; post the receives of the peers' sums and tails. ``flat``: 1-D float32."""
+        """Round this rank's inputs once and send each peer its chunk; add the N rounded copies
+        of this rank's chunk in fp32, round each sum once and send it to every peer; post the
+        receives of the peers' sums and tails. ``flat``: 1-D, any floating dtype."""
         n, size, me = flat.numel(), self.ring.size, self.ring.index
         chunk = math.ceil(n / size)  # chunk j: flat[j * chunk :][:chunk], padded with zeros
         if size == 1:  # nothing travels, nothing is rounded
@@ -150,12 +152,20 @@ class DirectExchange:
                 outbox[q, lo : lo + valid.numel()].copy_(valid)  # each input's one rounding
                 works.append(self._isend(outbox[q, lo:hi], q, k))
         for k, (lo, hi) in enumerate(segments):
-            own = flat[me * chunk + lo : min(me * chunk + hi, n)]  # own input: not rounded
-            acc = own if own.dtype in _WIDE else scratch.acc[: own.numel()].copy_(own)
-            for i in range(size - 1):
-                copies[k][i].wait()
-                acc.add_(scratch.wide[: acc.numel()].copy_(inbox[i, lo : lo + acc.numel()]))
-            result[me, lo : lo + acc.numel()].copy_(acc)  # the sum's one rounding
+            valid = flat[me * chunk + lo : min(me * chunk + hi, n)]
+            outbox[me, lo : lo + valid.numel()].copy_(valid)  # rounded too, though it stays
+            acc, wide = scratch.acc[: hi - lo], scratch.wide[: hi - lo]
+            for j in range(size):  # in rank order, as the collective path adds them
+                if j == me:
+                    row = outbox[me]
+                else:
+                    copies[k][(j - me - 1) % size].wait()
+                    row = inbox[(j - me - 1) % size]
+                if j == 0:
+                    acc.copy_(row[lo:hi])  # widening to fp32 is exact
+                else:
+                    acc.add_(wide.copy_(row[lo:hi]))
+            result[me, lo:hi].copy_(acc)  # the sum's one rounding
             works += [self._isend(result[me, lo:hi], q, _GATHER_TAG + k) for q in peers]
         return Pending(flat, tail, result, tails, works, scratch)
 
@@ -203,8 +213,7 @@ class DirectExchange:
         outbox = scratch.wire[: size * chunk].view(size, chunk)
         inbox = scratch.wire[size * chunk : (2 * size - 1) * chunk].view(size - 1, chunk)
         result = scratch.wire[(2 * size - 1) * chunk : need].view(size, chunk)
-        outbox.view(-1)[flat.numel() :].zero_()
-        result.view(-1)[flat.numel() :].zero_()
+        outbox.view(-1)[flat.numel() :].zero_()  # the padding: zeros, summed to zeros
         return outbox, inbox, result
 
     def _isend(self, t: torch.Tensor, index: int, tag: int, exact: bool = False) -> dist.Work:
