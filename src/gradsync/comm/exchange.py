@@ -75,13 +75,13 @@ class Pending:
     flat: torch.Tensor
     tail: torch.Tensor | None
     result: torch.Tensor | None  # the rounded sums, chunk after chunk (None: one rank)
-    tails: torch.Tensor  # the peers' tails, in rank order without this rank
+    tails: torch.Tensor  # the peers' tails: row i from the rank i + 1 places after this one
     works: list[dist.Work]
     scratch: _Scratch
 
 
 class DirectExchange:
-    """Sums float32 tensors over ``ring``'s group, ``wire_dtype`` on the wire, and an exact
+    """Sums floating tensors over ``ring``'s group, ``wire_dtype`` on the wire, and an exact
     ``tail`` (used flags and step tags) in the tensor's own dtype.
 
     :meth:`start` posts every message of one sum and does its adds (blocking on the peers'
@@ -180,8 +180,8 @@ class DirectExchange:
             flat, tail = pending.flat, pending.tail
             flat.copy_(pending.result.view(-1)[: flat.numel()])
             if tail is not None:
-                me = self.ring.index
-                rows = [*pending.tails[:me], tail, *pending.tails[me:]]  # peers follow me
+                me, size, peers = self.ring.index, self.ring.size, pending.tails
+                rows = [tail if j == me else peers[(j - me - 1) % size] for j in range(size)]
                 total = rows[0].clone()
                 for row in rows[1:]:
                     total.add_(row)
