@@ -2,20 +2,25 @@
 
 torch's ``bf16_compress_hook`` / ``fp16_compress_hook`` cast the bucket to half precision and
 all-reduce it there: every partial sum of the ring is rounded to 8 (bf16) or 11 (fp16)
-significant bits, so the error grows with the number of ranks. Here each rank rounds its
-gradients to the wire format once, an all-to-all hands every rank the N half-precision copies of
-its 1/N chunk, the rank adds them in fp32 and rounds the sum once, and an all-gather of the
-rounded chunks gives every rank the whole result (the scheme of Megatron-LM's
+significant bits, so the error grows with the number of ranks. Here partial sums never travel:
+each rank rounds its gradients to the wire format once and sends every other rank that rank's
+1/N chunk; the owner of a chunk adds the N copies in fp32 and rounds the sum once; the rounded
+chunks are then gathered by every rank (the scheme of Megatron-LM's
 ``reduce_scatter_with_fp32_accumulation``). Each rank sends 2(N-1)/N of the bucket in 2-byte
 elements: half the bytes of an fp32 ring all-reduce, the same as torch's hooks.
+
+On gloo the exchange runs on gradsync's point-to-point sends (``exchange.py``), because
+gloo's ``all_to_all_single`` and ``all_gather_single`` are far slower than the link; other
+backends (NCCL) use those two collectives (:func:`sum_with_fp32_accumulation`). Both give the
+bound below.
 
 [Note: the half-precision error bound]
 Let ``x_j`` be rank j's (pre-divided) value of one gradient element, ``S = sum_j x_j`` the exact
 sum, ``u`` the unit roundoff of the wire format (``2**-8`` for bf16, ``2**-11`` for fp16),
 ``eta`` its absolute rounding error below the normal range (``2**-25`` for fp16, ``2**-134``
 for bf16) and ``g = (N-1) u32 / (1 - (N-1) u32)`` with ``u32 = 2**-24`` (fp32 summation of N
-terms). Rounding each input once, summing in fp32 and rounding the sum once gives a result
-``r`` with
+terms). Rounding each input once, summing the N rounded values in fp32 (in rank order, on
+both paths) and rounding the sum once gives a result ``r`` with
 
     |r - S| <= u |S| + (u (1 + u) + g (1 + u)**2) sum_j |x_j| + 2 (N + 1) eta
 
@@ -35,8 +40,10 @@ import torch
 import torch.distributed as dist
 
 from gradsync.comm.algorithm import CommStats, Handle
+from gradsync.comm.exchange import DirectExchange
 from gradsync.comm.hook import BucketLike, CommHook, tail
-from gradsync.comm.worker import SerialWorker
+from gradsync.comm.ring import group_ring
+from gradsync.comm.worker import ChainedHandle, SerialWorker
 
 WIRE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 _SUBNORMAL_ERROR = {torch.bfloat16: 2.0**-134, torch.float16: 2.0**-25}
@@ -76,7 +83,11 @@ def sum_with_fp32_accumulation(
     received = torch.empty_like(send)
     # Chunk j of ``received`` is rank j's copy of this rank's chunk.
     dist.all_to_all_single(received, send, group=group)
-    mine = received.view(world, chunk).to(torch.float32).sum(0).to(wire_dtype)  # rounded once
+    copies = received.view(world, chunk)
+    total = copies[0].to(torch.float32)
+    for j in range(1, world):  # in rank order, as exchange.py adds them: the same bits
+        total.add_(copies[j])  # widened to fp32 (exactly), added in fp32
+    mine = total.to(wire_dtype)  # rounded once
     gathered = torch.empty_like(send)
     dist.all_gather_into_tensor(gathered, mine, group=group)
     flat.copy_(gathered[: flat.numel()])
@@ -93,9 +104,14 @@ def naive_half_all_reduce(flat: torch.Tensor, wire_dtype: torch.dtype, group: An
 
 class HalfPrecisionHook(CommHook):
     """Buckets travel as bf16 or fp16 with fp32 accumulation; used flags and step tags travel
-    in a second, exact all-reduce of the bucket's own dtype (a few elements per parameter).
+    exactly, in the bucket's own dtype (a few elements per parameter).
 
-    ``stats`` counts the gradients' bytes, ``exact_stats`` those of the flags and tags.
+    ``point_to_point`` (the default on gloo): the exchange runs on gradsync's sends
+    (``exchange.py``), its flags and tags with it, and a bucket's inputs go out while the
+    previous bucket's sums are still coming back (one thread sends, another waits). Otherwise
+    (NCCL): the backend's all-to-all and all-gather, then an all-reduce of flags and tags,
+    bucket after bucket on one thread. ``stats`` counts the gradients' bytes, ``exact_stats``
+    those of the flags and tags.
     """
 
     def __init__(self, wire: str, group: dist.ProcessGroup | None) -> None:
@@ -103,14 +119,30 @@ class HalfPrecisionHook(CommHook):
         self.wire_dtype = WIRE_DTYPES[wire]
         self.group = group
         self.world_size = dist.get_world_size(group)
+        self.point_to_point = dist.get_backend(group) == "gloo"
         self.stats = CommStats()
         self.exact_stats = CommStats()
+        ring = group_ring(group)
+        self._exchange = DirectExchange(ring, self.wire_dtype, self.stats, self.exact_stats)
         self._worker = SerialWorker(f"gradsync-{wire}-wire")
+        self._finisher = SerialWorker(f"gradsync-{wire}-wire-finish")
 
     def start(self, bucket: BucketLike) -> Handle:
-        return self._worker.submit(lambda: self._reduce(bucket))
+        if not self.point_to_point:
+            return self._worker.submit(lambda: self._reduce(bucket))
+        handle = ChainedHandle()
+
+        def send_and_add() -> None:
+            pending = self._exchange.start(bucket.grads, tail(bucket))
+            self.stats.calls += 1
+            self.exact_stats.calls += 1
+            handle.second = self._finisher.submit(lambda: self._exchange.finish(pending))
+
+        handle.first = self._worker.submit(send_and_add)
+        return handle
 
     def _reduce(self, bucket: BucketLike) -> None:
+        """The collective path: blocking, on the worker thread."""
         sent = sum_with_fp32_accumulation(bucket.grads, self.wire_dtype, self.group)
         self.stats.calls += 1
         self.stats.bytes_sent += sent

@@ -180,31 +180,37 @@ class PowerSGDHook(CommHook):
         for slot, i in enumerate(bucket.spec.param_indices):
             name, view = self.names[i], bucket.views[slot]
             if compress and name in config.q:
-                matrices.append((name, view, view.reshape(config.error[name].shape)))
+                matrices.append((name, view.view(config.error[name].shape)))
             else:
                 plain.append(view)
-        ms = [m + config.error[name] for name, _, m in matrices]  # error feedback
-        ps = [m @ config.q[name] for (name, _, _), m in zip(matrices, ms, strict=True)]
+        # Error feedback in place: each error buffer now holds M = gradient + error.
+        ms = [config.error[name].add_(grad) for name, grad in matrices]
+        # P^T = Q^T M^T rather than P = M Q (and Q^T = P^T M below rather than M^T P): the
+        # same products, but BLAS runs these layouts 2-5x faster when r is this small
+        # (benchmarks/2026-11-23-wire.md); P's columns are P^T's rows.
+        pts = [torch.mm(config.q[name].T, m.T) for (name, _), m in zip(matrices, ms, strict=True)]
         exact = tail(bucket)
-        first = torch.cat([v.reshape(-1) for v in plain] + [exact] + [p.reshape(-1) for p in ps])
+        first = torch.cat([v.reshape(-1) for v in plain] + [exact] + [p.reshape(-1) for p in pts])
         self._all_reduce(first)  # uncompressed gradients, flags and tags (exact), and the Ps
-        offset = 0
-        for t in [*plain, exact, *ps]:
-            t.copy_(first[offset : offset + t.numel()].view_as(t))
-            offset += t.numel()
+        _unpack(first, [*plain, exact, *pts])
         if not matrices:
             return
-        for p in ps:
-            orthonormalize(p)
-        qs = [m.T @ p for m, p in zip(ms, ps, strict=True)]
-        second = torch.cat([q.reshape(-1) for q in qs])
+        for pt in pts:
+            orthonormalize(pt.T)
+        qts = [torch.mm(pt, m) for pt, m in zip(pts, ms, strict=True)]
+        second = torch.cat([q.reshape(-1) for q in qts])
         self._all_reduce(second)
-        offset = 0
-        for (name, view, _), m, p, q in zip(matrices, ms, ps, qs, strict=True):
-            q.copy_(second[offset : offset + q.numel()].view_as(q))
-            offset += q.numel()
-            approx = p @ q.T
-            view.copy_(approx.view_as(view))
-            config.q[name].copy_(q)  # warm start
+        _unpack(second, qts)
+        for (name, grad), m, pt, qt in zip(matrices, ms, pts, qts, strict=True):
+            torch.mm(pt.T, qt, out=grad)  # the approximation A = P Q^T of the sum, in place
+            config.q[name].copy_(qt.T)  # warm start
             # Share the residual of the sum equally: the ranks' errors add up to sum(M) - A.
-            torch.sub(m, approx, alpha=1.0 / self.world_size, out=config.error[name])
+            m.sub_(grad, alpha=1.0 / self.world_size)
+
+
+def _unpack(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
+    """Copy consecutive pieces of ``flat`` back into ``tensors``."""
+    offset = 0
+    for t in tensors:
+        t.copy_(flat[offset : offset + t.numel()].view_as(t))
+        offset += t.numel()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections.abc import Callable
 from datetime import timedelta
 
@@ -37,6 +38,29 @@ class AsyncHandle:
         if self._error is not None:
             raise self._error
         return True
+
+
+class ChainedHandle:
+    """Completion of a job whose first half runs on one :class:`SerialWorker` and hands its
+    second half to another (``second``, set by the first half before it returns), so that the
+    first worker can start the next job while the second half of this one waits.
+    ``wait(timeout)`` covers both halves within ``timeout``."""
+
+    def __init__(self) -> None:
+        self.first: AsyncHandle | None = None
+        self.second: AsyncHandle | None = None
+
+    def is_completed(self) -> bool:
+        return self.second is not None and self.second.is_completed()
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        assert self.first is not None
+        start = time.monotonic()
+        self.first.wait(timeout)
+        assert self.second is not None, "the first half returned without handing on"
+        if timeout is not None:
+            timeout = max(timeout - timedelta(seconds=time.monotonic() - start), timedelta(0))
+        return self.second.wait(timeout)
 
 
 class SerialWorker:
