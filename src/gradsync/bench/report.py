@@ -198,7 +198,7 @@ def targets(result: dict[str, Any]) -> list[tuple[str, bool | None, str]]:
                 f"{best.name}: {best.efficiency:.2f} vs torch DDP {torch_row.efficiency:.2f}",
             )
         )
-    out += auto_targets(rows, torch_row)
+    out += auto_targets(rows)
     at = [b for b in busbw_rows(result) if b.size_bytes == TARGET_BUSBW_BYTES]
     if at and at[0].ratio is not None:
         out.append(
@@ -211,9 +211,7 @@ def targets(result: dict[str, Any]) -> list[tuple[str, bool | None, str]]:
     return out
 
 
-def auto_targets(
-    rows: Sequence[VariantRow], torch_row: VariantRow
-) -> list[tuple[str, bool | None, str]]:
+def auto_targets(rows: Sequence[VariantRow]) -> list[tuple[str, bool, str]]:
     """The issue's bucket targets, for ``bucket_cap_mb="auto"`` against torch DDP and the
     fastest fixed cap of the same run (if the run had an auto row)."""
     auto = next((r for r in rows if r.kind == "gradsync_auto"), None)
@@ -349,11 +347,8 @@ def plot_step_vs_bucket(results: Sequence[dict[str, Any]], path: str) -> None:
             label="limit .. no overlap",
         )
         ax.errorbar(xs, ms, yerr=err, marker="o", color="tab:blue", capsize=3, label="gradsync")
-        styles = {
-            "torch_ddp": ("tab:red", "--"),
-            "naive": ("tab:gray", ":"),
-            "gradsync_auto": ("tab:green", "-."),
-        }
+        styles = {"torch_ddp": ("tab:red", "--"), "naive": ("tab:gray", ":"),
+                  "gradsync_auto": ("tab:green", "-.")}  # fmt: skip
         for r in rows:
             if r.kind in styles:
                 color, ls = styles[r.kind]
