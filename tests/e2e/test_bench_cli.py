@@ -46,7 +46,6 @@ def test_bench_cli_on_loopback_writes_report_and_plots(tmp_path: Path) -> None:
     ]:
         assert f"| {name} |" in text or f"| comm only: {name} |" in text, text
     assert "gradsync default step <= 1.0x torch DDP default" in text
-    assert "gradsync auto within 3% of the fastest fixed cap" in text
     (result,) = json.loads((out / "results.json").read_text())
     assert result["world"] == 2 and result["setting"] == "loopback"
     assert all(len(t) == 1 for t in result["step_s"].values())

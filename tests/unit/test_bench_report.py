@@ -63,6 +63,7 @@ def fake_result(rate_mbit: float | None) -> dict[str, Any]:
         ("gradsync cap 0 MB (per parameter)", "gradsync", 0.0),
         ("gradsync cap 25 MB (default)", "gradsync", 25.0),
         ("gradsync one bucket", "gradsync", None),
+        ("gradsync bucket_cap_mb='auto'", "gradsync_auto", None),
         ("torch DDP default", "torch_ddp", 25.0),
         ("compute only (local)", "local", 25.0),
     ]
@@ -71,10 +72,11 @@ def fake_result(rate_mbit: float | None) -> dict[str, Any]:
         "gradsync cap 0 MB (per parameter)": [0.95, 0.9, 0.9],
         "gradsync cap 25 MB (default)": [0.7, 0.8, 0.7],
         "gradsync one bucket": [1.0, 1.0, 1.0],
+        "gradsync bucket_cap_mb='auto'": [0.72, 0.72, 0.72],
         "torch DDP default": [0.8, 0.8, 0.9],
         "compute only (local)": [0.6, 0.6, 0.6],
     }
-    comm = {n: [0.4, 0.4, 0.4] for n, k, _ in names if k != "local"}
+    comm = {n: [0.4, 0.4, 0.4] for n, k, _ in names if k not in ("local", "gradsync_auto")}
     comm["flat (all gradient bytes, 1 call)"] = [0.4, 0.4, 0.4]
     return {
         "label": "test setting",
@@ -116,6 +118,12 @@ def test_variant_rows_and_targets_from_a_result() -> None:
     assert bw.ratio == pytest.approx(0.951, abs=1e-3)
     busbw_target = next(k for k in verdicts if k.startswith("all-reduce bus bandwidth"))
     assert verdicts[busbw_target] is True
+    # auto: 0.72 / 0.8 = 0.9x torch (> 0.85), 0.72 / 0.7 = 1.029x the fastest cap (<= 1.03).
+    assert verdicts["gradsync auto <= 0.85x torch DDP default"] is False
+    assert verdicts["gradsync auto within 3% of the fastest fixed cap"] is True
+    # On loopback (no link rate) the slow link's auto targets are not judged.
+    loopback = {what for what, _, _ in report.targets(fake_result(None))}
+    assert not any("auto" in what for what in loopback)
 
 
 def test_loopback_has_no_ring_bound_and_reports_render(tmp_path: Path) -> None:

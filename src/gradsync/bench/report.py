@@ -198,7 +198,7 @@ def targets(result: dict[str, Any]) -> list[tuple[str, bool | None, str]]:
                 f"{best.name}: {best.efficiency:.2f} vs torch DDP {torch_row.efficiency:.2f}",
             )
         )
-    out += auto_targets(rows)
+    out += auto_targets(rows) if result.get("rate_mbit") else []  # the slow link's targets
     at = [b for b in busbw_rows(result) if b.size_bytes == TARGET_BUSBW_BYTES]
     if at and at[0].ratio is not None:
         out.append(
