@@ -195,7 +195,7 @@ def _check_paths_agree(results: list[list[dict[str, Any]]]) -> None:
             assert torch.equal(value, other), (wire, segment, numel, kind)
 
 
-@pytest.mark.parametrize("world", [1, 2, 3, 4])
+@pytest.mark.parametrize("world", [2, 3, 4])  # a world of one sends nothing
 @pytest.mark.timeout(240)
 def test_half_precision_exchange(world: int) -> None:
     both = spawn(grid_and_in_flight, world, timeout_s=200)
