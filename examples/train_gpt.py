@@ -45,9 +45,8 @@ from gradsync.testing.corpus import CharDataset, generate_corpus
 from gradsync.testing.gpt import GPT, GPTConfig, lm_loss
 
 # The final loss is that of the final weights on a fixed set of sequences (the corpus's first
-# EVAL_SEQUENCES, in order), the same for every run: a training step's loss moves by several
+# --eval-sequences, in order), the same for every run: a training step's loss moves by several
 # percent from one batch to the next, which would drown a comparison of wire formats.
-EVAL_SEQUENCES = 512
 # How far the final loss of a lossy wire format may exceed that of exact training (relative,
 # same seeds and data; the issue's targets). bf16/fp16 round each gradient element once
 # (relative error 2**-8 / 2**-11, unbiased on average), so Adam's path stays close; PowerSGD
@@ -67,6 +66,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--lr-schedule", choices=["cosine", "constant"], default="cosine")
     p.add_argument("--seed", type=int, default=0, help="seeds the weights and the data order")
+    p.add_argument("--eval-sequences", type=int, default=512, help="for the final loss")
     p.add_argument("--bucket-cap-mb", type=float, default=25.0)
     p.add_argument("--out", default="runs/gpt", help="folder for the checkpoints")
     p.add_argument("--save-every", type=int, default=25, help="checkpoint every N steps (0: never)")
@@ -167,13 +167,13 @@ def train_reference(
         loss = lm_loss(model(x), y)
         loss.backward()
         opt.step()
-    return model, evaluate(model, dataset)
+    return model, evaluate(model, dataset, args.eval_sequences)
 
 
 @torch.no_grad()
-def evaluate(model: torch.nn.Module, dataset: CharDataset) -> float:
-    """Mean loss of ``model`` over the first ``EVAL_SEQUENCES`` sequences, in order."""
-    n = min(EVAL_SEQUENCES, len(dataset))
+def evaluate(model: torch.nn.Module, dataset: CharDataset, sequences: int) -> float:
+    """Mean loss of ``model`` over the first ``sequences`` sequences, in order."""
+    n = min(sequences, len(dataset))
     total = 0.0
     for start in range(0, n, 64):
         pairs = [dataset[i] for i in range(start, min(start + 64, n))]
@@ -258,9 +258,9 @@ def main(argv: list[str] | None = None) -> int:
     status, final_loss = 0, float("nan")
     if rank == 0:
         print(f"trained {step} steps in {elapsed:.1f} s; checkpoint: {path}")
-        final_loss = evaluate(model, dataset)
+        final_loss = evaluate(model, dataset, args.eval_sequences)
         print(
-            f"final loss (the final weights on the first {EVAL_SEQUENCES} sequences): "
+            f"final loss (the final weights on the first {args.eval_sequences} sequences): "
             f"{final_loss:.6f} (compression {args.compression})"
         )
         restored = make_model(dataset.vocab_size, args.block_size, args.dtype, args.seed)

@@ -41,7 +41,7 @@ def test_train_gpt_across_nodes_matches_one_process(
     cluster: SimulatedCluster, nproc_per_node: int, tmp_path: Path
 ) -> None:
     world = cluster.num_nodes * nproc_per_node
-    argv = [str(TRAIN_GPT), "--max-steps", "6", "--global-batch", "8"]
+    argv = [str(TRAIN_GPT), "--max-steps", "6", "--global-batch", "8", "--eval-sequences", "64"]
     argv += ["--out", str(tmp_path / "run")]
     argv += ["--timeout-s", "60"]  # a broken link fails in a minute, not torch's 30
     # The master port differs per case: the previous launch's port may still be in TIME_WAIT.

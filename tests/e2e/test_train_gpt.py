@@ -20,7 +20,7 @@ def test_train_gpt_matches_single_process(tmp_path: Path) -> None:
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
         str(ROOT / "examples" / "train_gpt.py"),
         "--max-steps", "12", "--out", str(tmp_path / "run"), "--timeout-s", "60",
-        "--save-every", "6",
+        "--save-every", "6", "--eval-sequences", "64",
     ]  # fmt: skip
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=220)
     out = proc.stdout + proc.stderr
@@ -41,6 +41,7 @@ def test_train_gpt_reports_a_wrong_tolerance_as_fail(tmp_path: Path) -> None:
     cmd = [
         sys.executable, str(ROOT / "examples" / "train_gpt.py"),
         "--max-steps", "2", "--out", str(tmp_path / "run"), "--tolerance", "-1",
+        "--eval-sequences", "64",
     ]  # fmt: skip
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=100)
     assert proc.returncode == 1, proc.stdout + proc.stderr
