@@ -35,7 +35,7 @@ def run_one(args: argparse.Namespace, fmt: str, seed: int, port: int) -> dict:
         "--master-port", str(port), MAIN_JOB, "--compression", compression, "--seed", str(seed),
         "--powersgd-start-iter", start_iter or "0",
         "--epochs", str(args.epochs), "--dtype", args.dtype, "--out", out, "--no-resume",
-        "--no-reference", "--save-every", "0", "--losses-out", losses,
+        "--no-reference", "--save-every", "0", "--losses-out", losses, *args.job_args,
     ]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
@@ -55,10 +55,14 @@ def main() -> None:
     p.add_argument("--dtype", choices=["float64", "float32"], default="float64")
     p.add_argument("--jobs", type=int, default=1, help="runs at a time (2 processes each)")
     p.add_argument("--out", default="runs/wire-quality")
-    args = p.parse_args()
+    p.add_argument("--base-port", type=int, default=29600, help="run i uses base + 7 i")
+    args, args.job_args = p.parse_known_args()  # the rest goes to the main job as it is
     grid = [(f, s) for s in args.seeds for f in args.formats]
     with ThreadPoolExecutor(args.jobs) as pool:
-        futures = [pool.submit(run_one, args, f, s, 29600 + 7 * i) for i, (f, s) in enumerate(grid)]
+        futures = [
+            pool.submit(run_one, args, f, s, args.base_port + 7 * i)
+            for i, (f, s) in enumerate(grid)
+        ]
         results = [fut.result() for fut in futures]
     with open(os.path.join(args.out, "results.json"), "w") as f:
         json.dump(results, f, indent=1)

@@ -16,6 +16,9 @@ largest parameter difference: PASS means N-process training was the same computa
 ``--compression bf16|fp16|powersgd`` the gradients travel in a lossy format: the job then prints
 the final losses of both runs (the final weights on a fixed set of sequences) and passes when
 the compressed run's exceeds the exact one's by at most the format's band (0.5 %, 0.5 %, 2 %).
+``--compression torch-powersgd`` runs torch's own ``powerSGD_hook`` through
+``register_comm_hook``, for comparison. ``--warmup-steps`` and ``--clip-grad-norm`` give the
+recipe of the wire-quality runs (benchmarks/2026-11-23-wire-quality.md).
 
 Every ``--save-every`` steps all ranks save the whole training state (model, optimizer, data
 position, RNG states) to ``OUT/checkpoints/step_N``; a restarted job (by ``torchrun
@@ -35,6 +38,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powerSGD
 from torch.utils.data import DataLoader
 from tqdm import tqdm
 
@@ -53,7 +57,7 @@ from gradsync.testing.gpt import GPT, GPTConfig, lm_loss
 # rank 4 drops most of each step's gradient and relies on error feedback to deliver it later,
 # so it gets a wider band. Early on a lag weighs more: in the first steps the loss falls so
 # fast that PowerSGD sits 8% above exact after 6 steps (0.3% after 12).
-LOSS_TOLERANCE = {"bf16": 0.005, "fp16": 0.005, "powersgd": 0.02}
+LOSS_TOLERANCE = {"bf16": 0.005, "fp16": 0.005, "powersgd": 0.02, "torch-powersgd": 0.02}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -65,6 +69,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--block-size", type=int, default=64)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--lr-schedule", choices=["cosine", "constant"], default="cosine")
+    p.add_argument("--warmup-steps", type=int, default=0, help="linear warm-up of the rate")
+    p.add_argument(
+        "--clip-grad-norm", type=float, default=0.0, help="clip the gradients' norm (0: never)"
+    )
     p.add_argument("--seed", type=int, default=0, help="seeds the weights and the data order")
     p.add_argument("--eval-sequences", type=int, default=512, help="for the final loss")
     p.add_argument("--bucket-cap-mb", type=float, default=25.0)
@@ -85,10 +93,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument(
         "--compression",
-        choices=["none", "bf16", "fp16", "powersgd"],
+        choices=["none", "bf16", "fp16", "powersgd", "torch-powersgd"],
         default="none",
         help="wire format of the gradients (DistributedDataParallel(compression=...)); a lossy\n"
-        "one cannot match 1 process to 1e-7: the check then compares final losses instead",
+        "one cannot match 1 process to 1e-7: the check then compares final losses instead.\n"
+        "torch-powersgd: torch's own powerSGD_hook, through register_comm_hook",
     )
     p.add_argument("--powersgd-rank", type=int, default=4, help="rank of PowerSGD's matrices")
     p.add_argument(
@@ -109,7 +118,7 @@ def make_model(vocab_size: int, block_size: int, dtype: str, seed: int = 0) -> G
 
 
 def make_compression(args: argparse.Namespace) -> str | gradsync.comm.PowerSGD | None:
-    if args.compression == "none":
+    if args.compression in ("none", "torch-powersgd"):
         return None
     if args.compression == "powersgd":
         return gradsync.comm.PowerSGD(rank=args.powersgd_rank, start_iter=args.powersgd_start_iter)
@@ -121,13 +130,24 @@ def make_optimizer(params, lr: float) -> torch.optim.Optimizer:  # type: ignore[
 
 
 def set_lr(opt: torch.optim.Optimizer, args: argparse.Namespace, step: int, total: int) -> None:
-    """Cosine decay from ``--lr`` to a tenth of it over the run. A function of the step alone
-    (no scheduler state), so a resumed run sets the same rate; and a run that ends on a small
-    rate ends on settled weights, whose loss says more than one taken mid-oscillation."""
+    """Cosine decay from ``--lr`` to a tenth of it over the run, after ``--warmup-steps`` of
+    linear warm-up. A function of the step alone (no scheduler state), so a resumed run sets
+    the same rate; and a run that ends on a small rate ends on settled weights, whose loss says
+    more than one taken mid-oscillation."""
+    lr = args.lr
     if args.lr_schedule == "cosine":
-        lr = args.lr * (0.1 + 0.45 * (1 + math.cos(math.pi * step / max(total, 1))))
-        for group in opt.param_groups:
-            group["lr"] = lr
+        lr *= 0.1 + 0.45 * (1 + math.cos(math.pi * step / max(total, 1)))
+    if step < args.warmup_steps:
+        lr *= (step + 1) / args.warmup_steps
+    for group in opt.param_groups:
+        group["lr"] = lr
+
+
+def clip(params, args: argparse.Namespace) -> None:  # type: ignore[no-untyped-def]
+    """The gradients are replicated on every rank after the backward, so torch's own clipping
+    computes the global norm on each rank, as one process would."""
+    if args.clip_grad_norm > 0:
+        torch.nn.utils.clip_grad_norm_(params, args.clip_grad_norm)
 
 
 def global_batches(dataset: CharDataset, world: int, per_rank: int, args: argparse.Namespace):  # type: ignore[no-untyped-def]
@@ -166,6 +186,7 @@ def train_reference(
         opt.zero_grad()
         loss = lm_loss(model(x), y)
         loss.backward()
+        clip(model.parameters(), args)
         opt.step()
     return model, evaluate(model, dataset, args.eval_sequences)
 
@@ -205,6 +226,10 @@ def main(argv: list[str] | None = None) -> int:
     ddp = gradsync.DistributedDataParallel(
         model, bucket_cap_mb=args.bucket_cap_mb, compression=make_compression(args)
     )
+    if args.compression == "torch-powersgd":  # torch's hook counts from 2 exact steps at least
+        start = max(2, args.powersgd_start_iter)
+        state = powerSGD.PowerSGDState(None, args.powersgd_rank, start_powerSGD_iter=start)
+        ddp.register_comm_hook(state, powerSGD.powerSGD_hook)
     init_state = {k: v.clone() for k, v in ddp.state_dict().items()}
     opt = make_optimizer(ddp.parameters(), args.lr)
     ckpt = Checkpointer(
@@ -234,6 +259,7 @@ def main(argv: list[str] | None = None) -> int:
             opt.zero_grad()
             loss = lm_loss(ddp(x), y)
             loss.backward()  # gradients are averaged over ranks by the time this returns
+            clip(ddp.parameters(), args)
             opt.step()
             step += 1
             if step % 10 == 0 or step == total:
