@@ -1,11 +1,11 @@
-"""Bucket planning is pure: checked without any process group."""
+"""Bucket planning is pure, and a bucket hands out its results without any process group."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from gradsync.ddp.buckets import MB, cap_to_bytes, plan_buckets
+from gradsync.ddp.buckets import MB, Bucket, cap_to_bytes, plan_buckets
 from gradsync.ddp.state_keys import strip_prefixes
 
 F32 = torch.float32
@@ -91,3 +91,33 @@ def test_strip_prefixes_keeps_a_models_own_module_prefix() -> None:
     assert strip_prefixes({f"_orig_mod.{k}": 0 for k in own}, own) == mine  # torch.compile
     plain = {"weight": 0, "bias": 0}
     assert strip_prefixes({f"module.{k}": 0 for k in plain}, plain.keys()) == plain
+
+
+def test_results_give_new_gradients_one_copy_per_bucket_and_keep_existing_ones() -> None:
+    params = [torch.nn.Parameter(torch.zeros(n)) for n in (3, 20, 5)]
+    (spec,) = plan_buckets([(p.numel(), p.dtype) for p in params], None)
+    bucket = Bucket(spec, [params[i] for i in spec.param_indices])
+    bucket.grads.copy_(torch.arange(28.0))
+    kept = torch.full((bucket.params[1].numel(),), -1.0)
+    bucket.params[1].grad = kept
+    copies = bucket.results([2, 2, 2], as_view=False)
+    assert [dst is kept for dst, _ in copies] == [True]  # copied into, in the caller's batch
+    fresh = [bucket.params[0], bucket.params[2]]
+    for slot in (0, 2):
+        grad = bucket.params[slot].grad
+        assert grad is not None and torch.equal(grad, bucket.views[slot])
+        assert grad.data_ptr() != bucket.views[slot].data_ptr()  # not the buffer itself
+    # A mostly-kept span is not copied for two small ends: a clone each.
+    assert fresh[0].grad.untyped_storage().data_ptr() != fresh[1].grad.untyped_storage().data_ptr()
+    for p in params:
+        p.grad = None
+    bucket.results([2, 0, 2], as_view=False)  # unused everywhere: left as it was
+    assert bucket.params[1].grad is None
+    for p in params:
+        p.grad = None
+    bucket.results([1, 1, 1], as_view=False)
+    storages = {p.grad.untyped_storage().data_ptr() for p in params}  # type: ignore[union-attr]
+    assert len(storages) == 1  # one copy of the bucket, each gradient a view of it
+    bucket.grads.zero_()  # the gradients no longer alias the buffer
+    assert all(torch.equal(p.grad, torch.arange(28.0)[o : o + p.numel()])  # type: ignore[arg-type]
+               for p, o in zip(bucket.params, spec.offsets, strict=True))  # fmt: skip

@@ -229,14 +229,45 @@ class Bucket:
     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Give every parameter used on some rank (``counts``) its reduced gradient; returns
         the ``(destination, source)`` pairs that are copies, to be done in one batch."""
-        copies = []
+        copies, fresh = [], []
         for slot, count in enumerate(counts):
             if count == 0:
                 continue  # unused on every rank: like one process, leave .grad as it was
+            if (
+                self.params[slot].grad is None
+                and self.layouts[slot] is None
+                and not (as_view or self.accumulates)
+            ):
+                fresh.append(slot)
+                continue
             copy = self.write_back(slot, as_view)
             if copy is not None:
                 copies.append(copy)
+        self._new_grads(fresh)
         return copies
+
+    def _new_grads(self, slots: list[int]) -> None:
+        """Give each of ``slots`` (no ``.grad`` yet: after ``zero_grad(set_to_none=True)``,
+        i.e. nearly every step) a new gradient. One copy of the span of the buffer they cover,
+        each ``.grad`` a view of it, rather than a clone per parameter: on a GPU every clone
+        is a kernel launch, and these come after the step's one wait for the device, when
+        the device idles until the host queues more work. As with torch DDP's
+        ``gradient_as_bucket_view``, the gradients then share one storage (which
+        ``torch.save`` of a single gradient would write whole); a span mostly of other slots
+        is not copied for a few."""
+        if not slots:
+            return
+        offsets = self.spec.offsets
+        lo, hi = offsets[slots[0]], offsets[slots[-1]] + self.views[slots[-1]].numel()
+        if len(slots) == 1 or 2 * sum(self.views[s].numel() for s in slots) < hi - lo:
+            for slot in slots:
+                self.params[slot].grad = self.views[slot].clone()
+            return
+        span = self.buffer[lo:hi].clone()
+        for slot in slots:
+            view = self.views[slot]
+            start = offsets[slot] - lo
+            self.params[slot].grad = span[start : start + view.numel()].view(view.shape)
 
     def write_back(self, slot: int, as_view: bool) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Give ``params[slot]`` its reduced gradient; returns ``(destination, source)`` when
