@@ -19,6 +19,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import gradsync
 from gradsync.checkpoint import Checkpointer, load_checkpoint, save_checkpoint
 from gradsync.data import DistributedSampler
+from gradsync.optim import MasterWeights
 from gradsync.testing.spawn import spawn
 
 
@@ -229,8 +230,60 @@ def _refusals(rank: int, world: int, root: Path) -> dict:
     return out
 
 
+def _small(kind: str, folder: Path) -> tuple[nn.Module, nn.Module, Any, Checkpointer]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    if kind == "master":  # bf16 weights, fp32 main gradients and master weights
+        model = model.to(torch.bfloat16)
+        ddp = gradsync.DistributedDataParallel(model, main_grad_dtype=torch.float32)
+        opt: Any = MasterWeights(ddp.parameters(), torch.optim.AdamW, lr=1e-2)
+    else:
+        ddp = gradsync.DistributedDataParallel(model)
+        opt = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
+    return model, ddp, opt, Checkpointer(folder, model=ddp, optimizer=opt)
+
+
+def _steps(rank: int, model: nn.Module, ddp: nn.Module, opt: Any, steps: range) -> list:
+    dtype = next(model.parameters()).dtype
+    for step in steps:
+        x = torch.randn(3, 4, generator=torch.Generator().manual_seed(10 * step + rank))
+        opt.zero_grad()
+        ddp(x.to(dtype)).float().pow(2).sum().backward()
+        opt.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def _before_the_first_step(rank: int, world: int, root: Path) -> dict:
+    """A checkpoint taken before the first optimizer step changes nothing, and resumes to a
+    run that never stopped; with MasterWeights too (fp32 weights and state by name)."""
+    out = {}
+    for kind in ("plain", "master"):
+        folder = root / f"first-{kind}"
+        never = _steps(rank, *_small(kind, root / f"never-{kind}")[:3], range(4))
+        model, ddp, opt, ckpt = _small(kind, folder)
+        ckpt.save(0)
+        _steps(rank, model, ddp, opt, range(2))
+        ckpt.save(2)
+        saved = _steps(rank, model, ddp, opt, range(2, 4))
+        model, ddp, opt, ckpt = _small(kind, folder)
+        _steps(rank, model, ddp, opt, range(3))  # a stepped optimizer, then step 0 loaded
+        ckpt.load(folder / "step_00000000")
+        from_zero = _steps(rank, model, ddp, opt, range(4))
+        model, ddp, opt, ckpt = _small(kind, folder)
+        ckpt.load()
+        from_two = _steps(rank, model, ddp, opt, range(2, 4))
+        runs = {"saved": saved, "from 0": from_zero, "from 2": from_two}
+        out[f"{kind} differ"] = [
+            name
+            for name, run in runs.items()
+            if not all(torch.equal(a, b) for a, b in zip(run, never, strict=True))
+        ]
+    return out
+
+
 def _grid(rank: int, world: int, root: str, other_world: str) -> dict:
     out = _resume_equals_never_stopping(rank, world, Path(root))
+    out |= _before_the_first_step(rank, world, Path(root))
     out |= _corrupted_checkpoints(rank, world, Path(root))
     out |= _refusals(rank, world, Path(root))
     if other_world:  # a checkpoint saved by a job of another world size
@@ -248,6 +301,7 @@ def test_training_checkpoints_resume_exactly_and_refuse_what_they_cannot_load(
         # Resume: every parameter, optimizer tensor, the LR and the RNG equal never stopping.
         assert out["fresh"] is None and out["resumed_at"] == 4
         assert out["differ"] == [] and out["step_counter"] == 7
+        assert out["plain differ"] == [] and out["master differ"] == []
         assert out["kept"] == ["step_00000004", "step_00000007"]
         # Corruption: the newest that verifies is loaded, the others named and skipped.
         result, warned = out["flipped"]

@@ -114,6 +114,8 @@ def _run(rank: int, world: int) -> dict[str, Any]:
         opt.step()
     out["master"] = [m.detach().clone() for m in opt.master]
     out["params"] = [p.detach().clone() for p in model.parameters()]
+    opt.zero_grad(set_to_none=False)  # as a torch optimizer: zeros, not None
+    out["zeroed"] = [None if p.grad is None else p.grad.abs().sum().item() for p in opt.params]
     # 3. Refused combinations, on every rank.
     errors = []
     bad = {"main_grad_dtype": torch.float32, "gradient_as_bucket_view": True}
@@ -171,3 +173,4 @@ def test_main_grads_equal_one_process_accumulating_in_fp32() -> None:
             torch.testing.assert_close(got, m.detach(), rtol=0, atol=1e-5)
         for p, m in zip(r["params"], r["master"], strict=True):
             assert torch.equal(p, m.to(torch.bfloat16))  # the model holds the rounded weights
+        assert r["zeroed"] == [0.0] * len(r["params"]), r["zeroed"]

@@ -3,7 +3,8 @@
 model         the unwrapped module's state_dict (replicated: DCP writes it once, spread
               over the ranks, and reshards it on load)
 optimizer     torch.distributed.checkpoint.state_dict's optimizer state, keyed by
-              parameter name (the form sharded optimizers and DTensor states take too)
+              parameter name (the form sharded optimizers and DTensor states take too;
+              MasterWeights adds its fp32 weights under "master")
 lr_scheduler  the scheduler's state_dict
 gradsync      the wrapper's sync_state_dict(): step counter, last replica check
 rank.<r>      what belongs to rank r alone: its RNG states and its sampler position
@@ -12,6 +13,7 @@ rank.<r>      what belongs to rank r alone: its RNG states and its sampler posit
 from __future__ import annotations
 
 import copy
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,6 +28,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from gradsync.checkpoint.rng import get_rng_state, set_rng_state
 from gradsync.ddp.wrapper import DistributedDataParallel
+from gradsync.optim.master import MasterWeights
 from gradsync.optim.sharded import ShardedOptimizer
 from gradsync.optim.state import StateShard
 
@@ -35,7 +38,7 @@ class TrainingObjects:
     """The live objects whose state a training checkpoint saves and restores."""
 
     model: nn.Module
-    optimizer: torch.optim.Optimizer | None = None
+    optimizer: torch.optim.Optimizer | MasterWeights | None = None
     lr_scheduler: Any = None
     sampler: Any = None  # anything with state_dict() / load_state_dict()
 
@@ -44,14 +47,15 @@ class TrainingObjects:
         model = self.model
         return model.module if isinstance(model, DistributedDataParallel) else model
 
-    def state_dict(self, rank: int) -> dict[str, Any]:
-        """The state to save (live tensors: :func:`snapshot` copies them)."""
+    def state_dict(self, rank: int, saved_keys: Iterable[str] | None = None) -> dict[str, Any]:
+        """The state to save (live tensors: :func:`snapshot` copies them), or with the
+        ``saved_keys`` of a checkpoint, the template to load it into."""
         state: dict[str, Any] = {"model": self.model.state_dict()}  # a wrapper's: keys of
         # the module's own, after a sharded optimizer's parameter all-gathers
         if isinstance(self.optimizer, ShardedOptimizer):  # each rank its slices (resharding)
             state["optimizer"] = self.optimizer.sharded_state_dict()
         elif self.optimizer is not None:
-            state["optimizer"] = get_optimizer_state_dict(self.module, self.optimizer)
+            state["optimizer"] = self._optimizer_state(saved_keys)
         if self.lr_scheduler is not None:
             state["lr_scheduler"] = self.lr_scheduler.state_dict()
         if isinstance(self.model, DistributedDataParallel):
@@ -62,11 +66,46 @@ class TrainingObjects:
         state["rank"] = {str(rank): mine}
         return state
 
+    def _optimizer_state(self, saved_keys: Iterable[str] | None) -> dict[str, Any]:
+        """The optimizer's state keyed by parameter name.
+
+        torch's ``get_optimizer_state_dict`` (and :meth:`MasterWeights.named_state_dict`) first
+        give an optimizer that has not stepped yet its state, by one step on zero gradients at
+        lr 0. That step moves no weight but counts: AdamW's next step would be its second, with
+        another bias correction, so a checkpoint taken before the first step would change the
+        training it records. So a save then takes that state away again and writes none, and
+        a load of such a checkpoint (no ``optimizer.state.*`` keys) leaves the optimizer
+        without state, as it was when saved.
+        """
+        opt = self.optimizer
+        inner = opt.optimizer if isinstance(opt, MasterWeights) else opt
+        assert inner is not None
+        if saved_keys is None:
+            unstepped = not inner.state
+        else:
+            unstepped = not any(k.startswith("optimizer.state.") for k in saved_keys)
+        if isinstance(opt, MasterWeights):
+            state = opt.named_state_dict(self._master_names())
+        else:
+            state = get_optimizer_state_dict(self.module, opt)  # type: ignore[arg-type]
+        if unstepped:
+            state = {**state, "state": {}}
+            if saved_keys is None:
+                inner.state.clear()
+        return state
+
+    def _master_names(self) -> list[str]:
+        assert isinstance(self.optimizer, MasterWeights)
+        names = {id(p): name for name, p in self.module.named_parameters()}
+        return [names[id(p)] for p in self.optimizer.params]
+
     def load_state_dict(self, state: dict[str, Any], rank: int, where: str) -> None:
         """Put a loaded state back, RNG last (see ``DistributedSampler.call_on_resume``)."""
         self.model.load_state_dict(state["model"])
         if isinstance(self.optimizer, ShardedOptimizer):  # DCP loaded into its live slices
             self.optimizer.load_sharded_state_dict(state["optimizer"])
+        elif isinstance(self.optimizer, MasterWeights):
+            self.optimizer.load_named_state_dict(state["optimizer"], self._master_names())
         elif self.optimizer is not None:
             set_optimizer_state_dict(self.module, self.optimizer, state["optimizer"])
         if self.lr_scheduler is not None:

@@ -38,6 +38,7 @@ from gradsync.checkpoint.state import TrainingObjects, mismatches, snapshot
 from gradsync.ddp.deadline import as_timedelta
 from gradsync.ddp.group import private_group
 from gradsync.errors import CheckpointError, ProtocolError, UsageError
+from gradsync.optim.master import MasterWeights
 
 
 class Checkpointer:
@@ -60,7 +61,7 @@ class Checkpointer:
         folder: str | os.PathLike[str],
         *,
         model: nn.Module,
-        optimizer: torch.optim.Optimizer | None = None,
+        optimizer: torch.optim.Optimizer | MasterWeights | None = None,
         lr_scheduler: Any = None,
         sampler: Any = None,
         keep: int | None = 3,
@@ -222,9 +223,10 @@ class Checkpointer:
                 "rank of the saving job, so training could not continue exactly; restart with "
                 f"{manifest['world_size']} ranks"
             )
-        template = self.objects.state_dict(self.rank)
         reader = SafeFileSystemReader(str(path))
-        problems = mismatches(template, reader.read_metadata())
+        metadata = reader.read_metadata()
+        template = self.objects.state_dict(self.rank, metadata.state_dict_metadata)
+        problems = mismatches(template, metadata)
         gathered: list[list[str]] = [[] for _ in range(self.world_size)]
         dist.all_gather_object(gathered, problems, group=self._group)
         if any(gathered):

@@ -15,13 +15,17 @@ from typing import Any
 
 import torch
 
+from gradsync.errors import CheckpointError
+
 
 class MasterWeights:
     """``optimizer_class(fp32 copies of params, **defaults)``, stepped on ``p.main_grad``.
 
     A parameter without ``.grad`` after the backward (unused on every rank) is skipped, as a
     torch optimizer skips it. ``state_dict()`` holds the inner optimizer's state and the fp32
-    weights, so a checkpoint resumes exactly, not from the rounded bf16 ones.
+    weights, so a checkpoint resumes exactly, not from the rounded bf16 ones;
+    :class:`gradsync.checkpoint.Checkpointer` saves it keyed by parameter name
+    (:meth:`named_state_dict`).
     """
 
     def __init__(
@@ -57,8 +61,13 @@ class MasterWeights:
             torch._foreach_copy_(stepped_params, stepped_master)  # rounds to the model's dtype
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        """The model's ``.grad`` set to ``None`` or zeroed, as a torch optimizer does. The
+        masters' ``.grad`` is always dropped: :meth:`step` points it at ``main_grad`` anew."""
         for p, m in zip(self.params, self.master, strict=True):
-            p.grad = None
+            if set_to_none or p.grad is None:
+                p.grad = None
+            else:
+                p.grad.detach_().zero_()
             m.grad = None
 
     def state_dict(self) -> dict[str, Any]:
@@ -66,6 +75,73 @@ class MasterWeights:
             "optimizer": self.optimizer.state_dict(),
             "master": [m.detach().clone() for m in self.master],
         }
+
+    def named_state_dict(self, names: list[str]) -> dict[str, Any]:
+        """The state keyed by parameter name (``names[i]`` is ``params[i]``'s), in the form of
+        ``torch.distributed.checkpoint.state_dict.get_optimizer_state_dict`` plus the fp32
+        weights under ``"master"``: what DCP saves, and the live tensors DCP loads into.
+
+        As torch's function does, an optimizer that has not stepped yet gets its state first
+        (one step on zero gradients at lr 0, which moves no weight), so that a checkpoint
+        holds the same keys whenever it is taken and a load has tensors to fill.
+        """
+        self._initialise_state()
+        inner = self.optimizer.state_dict()  # state keyed by index, in param_groups' order
+        order = self._names_in_order(names)
+        return {
+            "state": {order[i]: value for i, value in inner["state"].items()},
+            "param_groups": [
+                {**group, "params": [order[i] for i in group["params"]]}
+                for group in inner["param_groups"]
+            ],
+            "master": {name: m.data for name, m in zip(names, self.master, strict=True)},
+        }
+
+    @torch.no_grad()
+    def load_named_state_dict(self, state: dict[str, Any], names: list[str]) -> None:
+        """Load what :meth:`named_state_dict` gave (after DCP filled it), and round the fp32
+        weights into the model. The parameter groups must list the same names in the same
+        order as this optimizer's (the same model and optimizer construction)."""
+        saved = [name for group in state["param_groups"] for name in group["params"]]
+        if saved != self._names_in_order(names):
+            raise CheckpointError(
+                "the checkpoint's MasterWeights hold other parameters, or in another order, "
+                f"than this one: {saved[:4]}... against {self._names_in_order(names)[:4]}..."
+            )
+        index = {name: i for i, name in enumerate(saved)}
+        self.optimizer.load_state_dict(
+            {
+                "state": {index[name]: value for name, value in state["state"].items()},
+                "param_groups": [
+                    {**group, "params": [index[n] for n in group["params"]]}
+                    for group in state["param_groups"]
+                ],
+            }
+        )
+        for m, p, name in zip(self.master, self.params, names, strict=True):
+            m.copy_(state["master"][name])
+            p.copy_(m)
+
+    def _names_in_order(self, names: list[str]) -> list[str]:
+        by_id = {id(m): name for m, name in zip(self.master, names, strict=True)}
+        return [by_id[id(m)] for group in self.optimizer.param_groups for m in group["params"]]
+
+    @torch.no_grad()
+    def _initialise_state(self) -> None:
+        if self.optimizer.state:
+            return
+        lrs = [group.get("lr") for group in self.optimizer.param_groups]
+        for group in self.optimizer.param_groups:
+            group["lr"] = 0.0
+            for m in group["params"]:
+                m.grad = torch.zeros_like(m)
+        try:
+            self.optimizer.step()
+        finally:
+            for group, lr in zip(self.optimizer.param_groups, lrs, strict=True):
+                group["lr"] = lr
+                for m in group["params"]:
+                    m.grad = None
 
     @torch.no_grad()
     def load_state_dict(self, state: dict[str, Any]) -> None:
