@@ -10,9 +10,10 @@ chunks are then gathered by every rank (the scheme of Megatron-LM's
 elements: half the bytes of an fp32 ring all-reduce, the same as torch's hooks.
 
 On gloo the exchange runs on gradsync's point-to-point sends (``exchange.py``), because
-gloo's ``all_to_all_single`` and ``all_gather_single`` are far slower than the link; other
-backends (NCCL) use those two collectives (:func:`sum_with_fp32_accumulation`). Both give the
-bound below.
+gloo's ``all_to_all_single`` and ``all_gather_single`` are far slower than the link, and with
+two ranks it is gloo's own all-reduce in the wire dtype, which then computes the same bits
+([Note: two ranks, one half-precision all-reduce]); other backends (NCCL) use those two
+collectives (:func:`sum_with_fp32_accumulation`). All give the bound below.
 
 [Note: the half-precision error bound]
 Let ``x_j`` be rank j's (pre-divided) value of one gradient element, ``S = sum_j x_j`` the exact
@@ -34,6 +35,7 @@ see it, as it checks before communication).
 from __future__ import annotations
 
 import math
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -102,6 +104,19 @@ def naive_half_all_reduce(flat: torch.Tensor, wire_dtype: torch.dtype, group: An
     flat.copy_(half)
 
 
+class _WidenedOnWait:
+    """The handle of a half-precision all-reduce whose result is copied back into the
+    bucket's dtype (exactly: widening) once it has arrived."""
+
+    def __init__(self, work: dist.Work, wire: torch.Tensor, buffer: torch.Tensor) -> None:
+        self.work, self.wire, self.buffer = work, wire, buffer
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        self.work.wait() if timeout is None else self.work.wait(timeout)
+        self.buffer.copy_(self.wire)
+        return True
+
+
 class HalfPrecisionHook(CommHook):
     """Buckets travel as bf16 or fp16 with fp32 accumulation; used flags and step tags travel
     exactly, in the bucket's own dtype (a few elements per parameter).
@@ -112,6 +127,15 @@ class HalfPrecisionHook(CommHook):
     (NCCL): the backend's all-to-all and all-gather, then an all-reduce of flags and tags,
     bucket after bucket on one thread. ``stats`` counts the gradients' bytes, ``exact_stats``
     those of the flags and tags.
+
+    [Note: two ranks, one half-precision all-reduce]
+    With two ranks each element's sum is ``a + b``: the backend's own all-reduce in the wire
+    dtype rounds each input once (the cast) and the sum once (c10's ``BFloat16`` and ``Half``
+    add in fp32 and round the result), the very bits of the exchange
+    (``tests/dist/test_half_exchange.py`` compares them). Flags and step tags are integers
+    below 256 (a tag is at most 128 and only its own rank writes it, a used count at most 2),
+    exact in either wire dtype, so they ride in the same message. gloo's C++ all-reduce then
+    replaces the exchange's two Python threads, which compete with the backward for the CPU.
     """
 
     def __init__(self, wire: str, group: dist.ProcessGroup | None) -> None:
@@ -120,6 +144,8 @@ class HalfPrecisionHook(CommHook):
         self.group = group
         self.world_size = dist.get_world_size(group)
         self.point_to_point = dist.get_backend(group) == "gloo"
+        self.pair = self.point_to_point and self.world_size == 2  # see the Note above
+        self._wires: dict[int, torch.Tensor] = {}  # bucket index -> its wire buffer (pair)
         self.stats = CommStats()
         self.exact_stats = CommStats()
         ring = group_ring(group)
@@ -128,6 +154,18 @@ class HalfPrecisionHook(CommHook):
         self._finisher = SerialWorker(f"gradsync-{wire}-wire-finish")
 
     def start(self, bucket: BucketLike) -> Handle:
+        if self.pair:
+            wire = self._wire_buffer(bucket)
+            wire.copy_(bucket.buffer)  # each input's one rounding
+            work = dist.all_reduce(wire, group=self.group, async_op=True)
+            assert work is not None
+            size = wire.element_size()
+            for stats, numel in ((self.stats, bucket.grads.numel()),
+                                 (self.exact_stats, tail(bucket).numel())):  # fmt: skip
+                stats.calls += 1
+                stats.bytes_sent += all_reduce_wire_bytes(numel, size, 2)
+                stats.bytes_received += all_reduce_wire_bytes(numel, size, 2)
+            return _WidenedOnWait(work, wire, bucket.buffer)
         if not self.point_to_point:
             return self._worker.submit(lambda: self._reduce(bucket))
         handle = ChainedHandle()
@@ -140,6 +178,16 @@ class HalfPrecisionHook(CommHook):
 
         handle.first = self._worker.submit(send_and_add)
         return handle
+
+    def _wire_buffer(self, bucket: BucketLike) -> torch.Tensor:
+        """The bucket's wire-dtype buffer, kept from step to step: a fresh one every step
+        is megabytes of new pages to fault in, on the core the backward needs. Every bucket
+        is waited for before the next backward starts, so reuse is safe."""
+        buffer = bucket.buffer
+        wire = self._wires.get(bucket.spec.index)
+        if wire is None or wire.numel() != buffer.numel() or wire.device != buffer.device:
+            wire = self._wires[bucket.spec.index] = torch.empty_like(buffer, dtype=self.wire_dtype)
+        return wire
 
     def _reduce(self, bucket: BucketLike) -> None:
         """The collective path: blocking, on the worker thread."""
