@@ -121,6 +121,8 @@ def test_variant_rows_and_targets_from_a_result() -> None:
     # auto: 0.72 / 0.8 = 0.9x torch (> 0.85), 0.72 / 0.7 = 1.029x the fastest cap (<= 1.03).
     assert verdicts["gradsync auto <= 0.85x torch DDP default"] is False
     assert verdicts["gradsync auto within 3% of the fastest fixed cap"] is True
+    details = {what: detail for what, _, detail in report.targets(result | {"auto_plan": "X"})}
+    assert details["gradsync auto within 3% of the fastest fixed cap"].endswith("; X")
     # On loopback (no link rate) the slow link's auto targets are not judged.
     loopback = {what for what, _, _ in report.targets(fake_result(None))}
     assert not any("auto" in what for what in loopback)

@@ -198,7 +198,7 @@ def targets(result: dict[str, Any]) -> list[tuple[str, bool | None, str]]:
                 f"{best.name}: {best.efficiency:.2f} vs torch DDP {torch_row.efficiency:.2f}",
             )
         )
-    out += auto_targets(rows) if result.get("rate_mbit") else []  # the slow link's targets
+    out += auto_targets(rows, result.get("auto_plan")) if result.get("rate_mbit") else []
     at = [b for b in busbw_rows(result) if b.size_bytes == TARGET_BUSBW_BYTES]
     if at and at[0].ratio is not None:
         out.append(
@@ -211,9 +211,9 @@ def targets(result: dict[str, Any]) -> list[tuple[str, bool | None, str]]:
     return out
 
 
-def auto_targets(rows: Sequence[VariantRow]) -> list[tuple[str, bool, str]]:
-    """The issue's bucket targets, for ``bucket_cap_mb="auto"`` against torch DDP and the
-    fastest fixed cap of the same run (if the run had an auto row)."""
+def auto_targets(rows: Sequence[VariantRow], plan: str | None) -> list[tuple[str, bool, str]]:
+    """The issue's bucket targets, for ``bucket_cap_mb="auto"`` (which chose ``plan``) against
+    torch DDP and the fastest fixed cap of the same run (if the run had an auto row)."""
     auto = next((r for r in rows if r.kind == "gradsync_auto"), None)
     fixed = [r for r in rows if r.kind == "gradsync"]
     if auto is None or not fixed:
@@ -223,7 +223,7 @@ def auto_targets(rows: Sequence[VariantRow]) -> list[tuple[str, bool, str]]:
         ("gradsync auto <= 0.85x torch DDP default", auto.ratio_to_torch <= 0.85,
          f"{auto.ratio_to_torch:.3f}x"),
         ("gradsync auto within 3% of the fastest fixed cap", auto.step <= 1.03 * best.step,
-         f"{auto.step / best.step:.3f}x {best.name}"),
+         f"{auto.step / best.step:.3f}x {best.name}; {plan or 'its plan not recorded'}"),
     ]  # fmt: skip
 
 

@@ -226,7 +226,20 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
         "comm_bytes": {k: [n * elem for n in v] for k, v in plans.items() if v},
         "step_bytes": wire.step_bytes(cfg.variants, models, plans, counted, world),
         "busbw": busbw,
+        "auto_plan": auto_plan(cfg.variants, models),
     }
+
+
+def auto_plan(variants: Sequence[Variant], models: dict[str, nn.Module]) -> str | None:
+    """What ``bucket_cap_mb="auto"`` chose in this run, in words (``None``: no auto row, or
+    it had not switched yet)."""
+    auto = [models[v.name] for v in variants if v.kind == "gradsync_auto"]
+    plan = getattr(auto[0], "bucket_plan", None) if auto else None
+    if plan is None:
+        return None
+    cap = "one bucket" if plan.cap_mb is None else f"cap {plan.cap_mb:g} MB"
+    first = "" if plan.first_cap_mb is None else f", first bucket {plan.first_cap_mb:g} MB"
+    return f"auto chose {cap}{first}: {plan.num_buckets} buckets"
 
 
 def untimed_steps(
