@@ -282,8 +282,9 @@ class Bucket:
             return grad, view
         if as_view:
             param.grad = view if layout is None else layout.wrap(view)
-        elif grad is None:
-            param.grad = view.clone() if layout is None else layout.wrap(view.clone())
+        elif grad is None:  # a DTensor's: a plain one without .grad is given it by _new_grads
+            assert layout is not None
+            param.grad = layout.wrap(view.clone())
         elif layout is not None and not layout.matches(grad):
             param.grad = layout.wrap(view.clone())  # was Partial: see [Note: Partial gradients]
         else:

@@ -103,10 +103,11 @@ class MasterWeights:
         weights into the model. The parameter groups must list the same names in the same
         order as this optimizer's (the same model and optimizer construction)."""
         saved = [name for group in state["param_groups"] for name in group["params"]]
-        if saved != self._names_in_order(names):
+        live = self._names_in_order(names)
+        if saved != live:
             raise CheckpointError(
                 "the checkpoint's MasterWeights hold other parameters, or in another order, "
-                f"than this one: {saved[:4]}... against {self._names_in_order(names)[:4]}..."
+                f"than this one: {saved[:4]}... against {live[:4]}..."
             )
         index = {name: i for i, name in enumerate(saved)}
         self.optimizer.load_state_dict(
@@ -130,16 +131,19 @@ class MasterWeights:
     def _initialise_state(self) -> None:
         if self.optimizer.state:
             return
-        lrs = [group.get("lr") for group in self.optimizer.param_groups]
-        for group in self.optimizer.param_groups:
-            group["lr"] = 0.0
+        groups = self.optimizer.param_groups
+        lrs = [group.get("lr") for group in groups]
+        for group in groups:
+            if "lr" in group:  # an optimizer without one is left as it is, as torch does
+                group["lr"] = 0.0
             for m in group["params"]:
                 m.grad = torch.zeros_like(m)
         try:
             self.optimizer.step()
         finally:
-            for group, lr in zip(self.optimizer.param_groups, lrs, strict=True):
-                group["lr"] = lr
+            for group, lr in zip(groups, lrs, strict=True):
+                if "lr" in group:
+                    group["lr"] = lr
                 for m in group["params"]:
                     m.grad = None
 
