@@ -326,8 +326,9 @@ class Reducer:
             self._launch_remaining(zeros=shadow)
             self._wait_all()
             counts, finite, total_items, tags = read_results(
-                self.buckets, self.check_finite, self.reduction, self.world_size
-            )
+                self.buckets, self.check_finite, self.reduction, self.world_size, self.used,
+                self._tag_slots,
+            )  # fmt: skip
             if tags is not None:
                 windows = not self.reduction.counts_items  # see step_tags.find_desync
                 check_tags(

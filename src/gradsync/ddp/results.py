@@ -4,6 +4,13 @@ The used counts ([Note: used flags] in ``reducer.py``), every rank's step tag ([
 tags] in ``step_tags.py``), the finite flag of each bucket (``check_finite``) and the global item
 count (``item_mean``) are concatenated and read in one ``tolist()``: on CUDA each read is a sync
 point, so there is one per step, not one per bucket (hundreds with ``bucket_cap_mb=0``).
+
+With one rank there is nobody to hear from: the "sums" are what this rank wrote, the used flags
+from its own hooks and its own step tag, and the host already holds both. Then nothing is read
+from the device (unless ``check_finite`` or ``item_mean`` asks for values only the device
+has), so on a GPU the host never waits for the backward to finish and keeps queueing the
+optimizer's and the next forward's kernels, as torch DDP's reducer does; the checks that
+follow see the same values either way (``tests/unit/test_results.py``).
 """
 
 from __future__ import annotations
@@ -14,16 +21,33 @@ import torch
 
 from gradsync.ddp.buckets import Bucket
 from gradsync.ddp.reduction import Reduction
-from gradsync.ddp.step_tags import StepTag, decode
+from gradsync.ddp.step_tags import StepTag, TagSlots, decode
 
 Results = tuple[list[list[float]], list[float] | None, float, list[StepTag | None] | None]
 
 
 def read_results(
-    buckets: Sequence[Bucket], check_finite: bool, reduction: Reduction, world_size: int
+    buckets: Sequence[Bucket],
+    check_finite: bool,
+    reduction: Reduction,
+    world_size: int,
+    used: Sequence[bool],
+    tag_slots: TagSlots | None,
 ) -> Results:
     """(used counts per bucket, finite flag per bucket or None, global item count, every rank's
-    step tag or None)."""
+    step tag or None). ``used`` and ``tag_slots``: what this rank wrote into the flags and
+    tags (a slot of a filled bucket is used: its hook fired, or it was filled late as used)."""
+    if world_size == 1 and not check_finite and not reduction.counts_items:
+        flags = [float(used[i]) for b in buckets for i in b.spec.param_indices]
+        written = tag_slots.written if tag_slots is not None else []
+        return _parse([*flags, *written], buckets, check_finite, reduction, world_size)
+    return _parse(
+        _read(buckets, check_finite, reduction), buckets, check_finite, reduction, world_size
+    )
+
+
+def _read(buckets: Sequence[Bucket], check_finite: bool, reduction: Reduction) -> list[float]:
+    """Every value the checks need, from the device in one copy."""
     flags = [b.used_flags for b in buckets]
     parts = []
     if flags:  # one cat per dtype, not one conversion per bucket
@@ -34,7 +58,16 @@ def read_results(
         parts.append(torch.stack([torch.isfinite(b.grads).all() for b in buckets]))
     if reduction.counts_items:
         parts.append(reduction.total_items)
-    flat = torch.cat([p.to(torch.float64) for p in parts]).tolist() if parts else []
+    return torch.cat([p.to(torch.float64) for p in parts]).tolist() if parts else []
+
+
+def _parse(
+    flat: list[float],
+    buckets: Sequence[Bucket],
+    check_finite: bool,
+    reduction: Reduction,
+    world_size: int,
+) -> Results:
     counts, start = [], 0
     for bucket in buckets:
         counts.append(flat[start : start + len(bucket.params)])

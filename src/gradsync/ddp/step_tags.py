@@ -51,12 +51,14 @@ class TagSlots:
         # To the device through a pinned buffer and a non-blocking copy: a plain host-to-device
         # copy would wait for the GPU at the start of every backward.
         self.staging = torch.empty(NUM_FIELDS, dtype=tags.dtype, pin_memory=tags.is_cuda)
+        self.written = [0.0] * NUM_FIELDS  # this rank's slots as last written, on the host
 
     def write(self, tag: StepTag | None) -> None:
         """``None``: this rank has joined and contributes no tag."""
         self.tags.zero_()
+        self.written = [0.0] * NUM_FIELDS if tag is None else tag.encode()
         if tag is not None:
-            self.staging.copy_(torch.tensor(tag.encode()))
+            self.staging.copy_(torch.tensor(self.written))
             self.mine.copy_(self.staging, non_blocking=True)
 
 
