@@ -185,6 +185,13 @@ class Bucket:
                 if as_view:
                     param.grad = view
         self.arrived = []
+        if dst and scale is not None and self.buffer.device.type == "cpu":
+            # On a CPU the passes over memory cost, not the calls: one multiply into the
+            # buffer per gradient reads and writes each element once, where a copy and then a
+            # multiply write it twice (the same bits: one rounding of the product either way).
+            for d, s in zip(dst, src, strict=True):
+                torch.mul(s, scale, out=d)
+            dst = []
         if dst:
             torch._foreach_copy_(dst, src)
         if scale is not None and (dst or in_place):
