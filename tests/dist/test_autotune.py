@@ -1,6 +1,7 @@
-"""``bucket_cap_mb="auto"`` on real gloo ranks: training across the plan switch equals one
-process on the full batch, the plan is the same on every rank even when their timings differ,
-the switch never lands inside an accumulation window, and the choice is logged."""
+"""``bucket_cap_mb="auto"`` on real gloo ranks: training across the plan switch (and back, when
+the trial finds the chosen plan slower) equals one process on the full batch, the plan is the
+same on every rank even when their timings differ, the switch never lands inside an
+accumulation window, and the choice and the trial's verdict are logged."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from gradsync.testing.spawn import spawn
 
 import toy
 
-STEPS = 7  # the switch comes at step WARMUP_STEPS + PROFILE_STEPS = 4
+STEPS = 9  # the switch comes at step WARMUP_STEPS + PROFILE_STEPS = 4, the verdict at 7
 SMALL_CAP_MB = 300 / 2**20  # 300 bytes: buckets of 1-2 parameters in the toy models
 # The toy models hold a few hundred bytes: with the library's candidates (0.25 MiB and up) every
 # plan is one bucket. Byte-sized candidates make the switch change the layout for real.
@@ -34,6 +35,7 @@ SLOW_WIRE = CostModel(latency_s=1e-9, bytes_per_s=1e3)
 SLOW_CALLS = CostModel(latency_s=10.0, bytes_per_s=1e12)
 TOL = 2e-6  # as tests/dist/test_equivalence.py for these models: a few ulps over 10 steps
 SWITCH = autotune.WARMUP_STEPS + autotune.PROFILE_STEPS
+SETTLE = SWITCH + autotune.TRIAL_STEPS
 
 
 @contextmanager
@@ -48,6 +50,13 @@ def patched(obj: Any, name: str, value: Any) -> Iterator[None]:
 
 def fixed_cost(cost: CostModel) -> Callable[[Any], CostModel]:
     return lambda samples: cost
+
+
+def trial_clock(trial_step_s: float) -> Callable[[], float]:
+    """A step clock under which the initial plan's steps take 1 s and the trial's
+    ``trial_step_s``: boundaries at steps 0-4, after the switch, then the trial's steps."""
+    ticks = iter([0.0, 1.0, 2.0, 3.0, 4.0, 4.5] + [4.5 + k * trial_step_s for k in range(1, 99)])
+    return lambda: next(ticks)
 
 
 def _run(rank: int, world: int, kind: str, opt_name: str, *, cap: Any = "auto",
@@ -89,6 +98,7 @@ def _run(rank: int, world: int, kind: str, opt_name: str, *, cap: Any = "auto",
         "plan": None if plan is None else (plan.cap_mb, plan.first_cap_mb, plan.num_buckets),
         "layout": [s.param_indices for s in ddp.bucket_specs],
         "switched_at": None if auto is None else auto.switched_at,
+        "trial": None if auto is None else auto.trial,
         "seen": seen,
         "num_trainable": sum(p.requires_grad for p in model.parameters()),
         "num_reductions": ddp.reducer.num_reductions,
@@ -107,25 +117,31 @@ def _skewed_clock() -> float:
 
 def _cases(rank: int, world: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
+    faster = lambda: patched(autotune, "_step_clock", trial_clock(0.5))  # noqa: E731
     with patched(autotune, "CANDIDATE_CAPS_MB", TOY_CAPS):
         with patched(autotune, "fit_cost", fixed_cost(SLOW_WIRE)):
             for kind, opt_name in (("plain", "sgd"), ("routed_unused", "adamw")):
-                out[("forced", kind, opt_name)] = _run(rank, world, kind, opt_name)
+                with faster():
+                    out[("forced", kind, opt_name)] = _run(rank, world, kind, opt_name)
             # Gradient accumulation (the switch must wait for the window's end), .grad as
             # views of the old buckets, and an eval forward on rank 0 alone (which must never
             # trigger the switch's collectives).
-            out["no_sync"] = _run(
-                rank, world, "plain", "adamw", accumulate=2, as_view=True, eval_on_rank0=True
-            )
+            with faster():
+                out["no_sync"] = _run(
+                    rank, world, "plain", "adamw", accumulate=2, as_view=True, eval_on_rank0=True
+                )
+            # The trial: rank 1 finds the chosen plan slower, rank 0 faster. Both must go back.
+            with patched(autotune, "_step_clock", trial_clock(2.0 if rank == 1 else 0.5)):
+                out["went back"] = _run(rank, world, "plain", "adamw", accumulate=2)
         # The fixed plan "auto" moves to, for the bitwise comparison.
         out["fixed 0"] = _run(rank, world, "plain", "sgd", cap=0)
         # Rank 1 times its gradients slowly and sees a different collective cost: each rank
         # on its own would choose another plan.
         skew = fixed_cost(SLOW_CALLS if rank == 1 else SLOW_WIRE)
         clock = _skewed_clock if rank == 1 else time.perf_counter
-        with patched(autotune, "fit_cost", skew), patched(autotune, "_clock", clock):
+        with patched(autotune, "fit_cost", skew), patched(autotune, "_clock", clock), faster():
             out["skewed"] = _run(rank, world, "plain", "sgd")
-        # Real timings, real cost fit: whatever it chooses must train correctly.
+        # Real timings, real cost fit, real trial: whatever it chooses must train correctly.
         out["measured"] = _run(rank, world, "routed_unused", "sgd")
     return out
 
@@ -187,13 +203,14 @@ def test_auto_buckets(world: int) -> None:
                           ("routed_unused", "sgd"))
     }  # fmt: skip
     auto_runs = ("forced", "plain", "sgd"), ("forced", "routed_unused", "adamw"), "no_sync"
-    auto_runs += "skewed", "measured"
+    auto_runs += "went back", "skewed", "measured"
     r0 = per_rank[0]
     for rank, out in enumerate(per_rank):
         for key, kind, opt in [
             (("forced", "plain", "sgd"), "plain", "sgd"),
             (("forced", "routed_unused", "adamw"), "routed_unused", "adamw"),
             ("no_sync", "plain", "adamw"),
+            ("went back", "plain", "adamw"),
             ("skewed", "plain", "sgd"),
             ("measured", "routed_unused", "sgd"),
         ]:
@@ -203,10 +220,19 @@ def test_auto_buckets(world: int) -> None:
             # The reference's tolerance (test_equivalence.py): the N-rank sums of per-rank
             # partial gradients differ from the one-process matmul by a few ulps.
             assert diff <= TOL, f"{case}: max parameter difference {diff:.3g}"
-            assert r["switched_at"] == SWITCH, case
+            if key not in ("went back", "measured"):
+                assert r["switched_at"] == SWITCH, case
             assert r["num_reductions"] == STEPS, case  # the step count carried over
             # Agreement: every rank has rank 0's plan and bucket layout.
             assert (r["plan"], r["layout"]) == (r0[key]["plan"], r0[key]["layout"]), case
+        # Went back: one bucket (the initial plan) before the switch and after the trial.
+        back = out["went back"]
+        assert back["trial"] == (1.0, 2.0) and back["switched_at"] == SETTLE, back["trial"]
+        assert back["plan"][:2] == (autotune.INITIAL_CAP_MB, 1.0) and len(back["layout"]) == 1
+        buckets = [(s, m, n) for s, m, n in back["seen"] if m == 0]
+        assert [n for s, _, n in buckets] == [1] * SWITCH + [back["num_trainable"]] * (
+            SETTLE - SWITCH
+        ) + [1] * (STEPS - SETTLE), buckets
         for k in (("forced", "plain", "sgd"), "no_sync", "skewed"):
             r = out[k]
             # SLOW_WIRE (rank 0's cost model) wants one bucket per parameter, up from one.
@@ -214,6 +240,7 @@ def test_auto_buckets(world: int) -> None:
             # "ready" only at the end of backward and holds back every later bucket, so one
             # bucket is as fast and the planner keeps it.)
             assert r["plan"][2] == r["num_trainable"] == len(r["layout"]), k
+            assert r["trial"] == (1.0, 0.5), k  # kept: its trial steps were faster
             assert r["seen"][0][2] == 1, k
         # The switch happens at the first forward of a window, never between its micro-batches.
         seen = out["no_sync"]["seen"]
@@ -226,6 +253,10 @@ def test_auto_buckets(world: int) -> None:
     logs = [m for m in r0["log"] if "bucket_cap_mb='auto' chose" in m]
     assert len(logs) == len(auto_runs), r0["log"]
     assert all("bucket(s), predicted" in m and f"from step {SWITCH}" in m for m in logs), logs
+    verdicts = [m for m in r0["log"] if "bucket_cap_mb='auto' kept" in m or "went back" in m]
+    assert sum("kept the chosen plan" in m for m in verdicts) >= 3, verdicts
+    back = [m for m in verdicts if "went back to the initial plan" in m]
+    assert len(back) == 1 and f"from step {SETTLE}" in back[0] and "2000.00 ms" in back[0], back
     assert all(not out["log"] for out in per_rank[1:])  # rank 0 logs, the others stay quiet
     if world == 2:
         for out in per_rank:

@@ -231,21 +231,31 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
 
 
 def auto_plan(variants: Sequence[Variant], models: dict[str, nn.Module]) -> str | None:
-    """What ``bucket_cap_mb="auto"`` chose in this run, in words (``None``: no auto row, or
-    it had not switched yet)."""
+    """What ``bucket_cap_mb="auto"`` chose in this run and whether its trial kept it, in words
+    (``None``: no auto row, or it had not switched yet)."""
     auto = [models[v.name] for v in variants if v.kind == "gradsync_auto"]
-    plan = getattr(auto[0], "bucket_plan", None) if auto else None
-    if plan is None:
+    tuner = getattr(auto[0], "_autotune", None) if auto else None
+    if tuner is None or tuner.chosen is None:
         return None
+    words = f"auto chose {_caps(tuner.chosen)}"
+    if tuner.trial is not None:
+        initial_s, chosen_s = tuner.trial
+        kept = "kept it" if tuner.plan is tuner.chosen else f"went back to {_caps(tuner.plan)}"
+        words += f"; {chosen_s * 1e3:.0f} against {initial_s * 1e3:.0f} ms a step on trial: {kept}"
+    return words
+
+
+def _caps(plan: Any) -> str:
     cap = "one bucket" if plan.cap_mb is None else f"cap {plan.cap_mb:g} MB"
     first = "" if plan.first_cap_mb is None else f", first bucket {plan.first_cap_mb:g} MB"
-    return f"auto chose {cap}{first}: {plan.num_buckets} buckets"
+    return f"{cap}{first}: {plan.num_buckets} buckets"
 
 
 def untimed_steps(
     steps: dict[str, Callable[[], None]], models: dict[str, nn.Module]
 ) -> dict[str, int]:
-    """Three untimed steps of every variant; returns the bytes that gradsync's wire hooks
+    """Three untimed steps of every variant, and of "auto" until its plan is final (profile,
+    switch, trial: the same step on every rank); returns the bytes that gradsync's wire hooks
     counted in the third (a steady step: PowerSGD compresses from step 3 on)."""
     counted = {}
     for i in range(3):
@@ -255,6 +265,10 @@ def untimed_steps(
             after = wire.counted_bytes(models[name])
             if i == 2 and before is not None and after is not None:
                 counted[name] = after - before
+    for name, model in models.items():
+        tuner = getattr(model, "_autotune", None)
+        while tuner is not None and not tuner.settled:
+            steps[name]()
     return counted
 
 

@@ -23,6 +23,15 @@ exists yet, on every rank at the same point:
 3. Switch. A new :class:`Reducer` with the chosen buckets on the same parameter watch, comm hook
    and reduction; ``num_reductions`` carries on, so step tags and checkpoints continue. Building
    it retires the old reducer (its hooks are removed; see ``_OWNERS`` in ``reducer.py``).
+4. Keep it only if it is faster. The cost model times collectives on an idle machine; during a
+   backward on a CPU the same collectives compete with it for the cores (gloo adds and copies
+   on the CPU, and so does the kernel's network stack), which no fit of idle timings sees: on
+   two loopback ranks sharing two cores, the model picked 2 MiB buckets that ran 5-10 % slower
+   than the initial 25 MiB. So the choice is a trial: the median of ``TRIAL_STEPS`` step times
+   (training forward to training forward, ``_step_clock``) under the new plan against the
+   median of the profiled steps under the initial one, both all-reduced with MAX so that every
+   rank compares the same two numbers; if the new plan was slower, every rank goes back to the
+   initial plan at the next step boundary, by the same switch. Either way the plan is final.
 
 The gradients are the ones the fixed plan gives: each rank's contribution is copied (and
 pre-divided, elementwise) into whichever bucket holds the parameter, and the all-reduce sums
@@ -45,7 +54,15 @@ import torch.distributed as dist
 from torch.utils.hooks import RemovableHandle
 
 from gradsync.comm import PowerSGD
-from gradsync.ddp.autoplan import CANDIDATE_CAPS_MB, BucketPlan, choose_plan, describe, fit_cost
+from gradsync.ddp.autoplan import (
+    CANDIDATE_CAPS_MB,
+    BucketPlan,
+    choose_plan,
+    describe,
+    fit_cost,
+    predict_end,
+)
+from gradsync.ddp.buckets import BucketSpec
 from gradsync.ddp.deadline import Deadline
 from gradsync.ddp.reducer import Reducer, _Phase
 from gradsync.errors import UsageError
@@ -56,9 +73,11 @@ logger = logging.getLogger("gradsync")
 INITIAL_CAP_MB = 25.0  # the plan of the first steps: torch DDP's default
 WARMUP_STEPS = 1
 PROFILE_STEPS = 3
+TRIAL_STEPS = 3  # steps timed under the chosen plan before it is kept or given up
 PROBE_BYTES = (1 << 12, 1 << 18, 1 << 22)  # all-reduce sizes timed to fit the cost model
 PROBE_REPEATS = 3
 _clock: Callable[[], float] = time.perf_counter  # the gradient hooks' clock
+_step_clock: Callable[[], float] = time.perf_counter  # step boundaries' clock (the trial)
 
 
 def wants_auto(bucket_cap_mb: float | str | None, compression: object) -> bool:
@@ -102,15 +121,21 @@ def measure_cost(deadline: Deadline, total_bytes: int, what: str) -> list[tuple[
 
 class AutoBuckets:
     """The runtime of ``bucket_cap_mb="auto"`` for one wrapper; see [Note: switching the bucket
-    plan]. ``plan`` is ``None`` until the switch, then the :class:`BucketPlan` in use."""
+    plan]. ``plan`` is ``None`` until the switch, then the :class:`BucketPlan` in use (on trial
+    until ``settled``; ``trial`` then holds the two median step times compared)."""
 
     def __init__(self, first_bucket_cap_mb: float | None) -> None:
         self.first_cap_mb = first_bucket_cap_mb
         self.plan: BucketPlan | None = None
+        self.chosen: BucketPlan | None = None  # what the cost model chose (tried if new)
         self.switched_at: int | None = None  # num_reductions when the plan took effect
+        self.settled = False  # the plan is final: profiled, switched, tried
+        self.trial: tuple[float, float] | None = None  # (initial plan, chosen plan) seconds
         self._start: int | None = None  # num_reductions at the first training forward
-        self._done = False
         self._times: dict[int, dict[int, float]] = {}  # profiled step -> param index -> clock
+        self._marks: dict[int, float] = {}  # num_reductions -> _step_clock at that boundary
+        self._initial: tuple[list[BucketSpec], BucketPlan] | None = None  # to go back to
+        self._initial_s = -1.0  # median step under the initial plan, while profiled
         self._hooks: list[RemovableHandle] = []
 
     @classmethod
@@ -123,7 +148,7 @@ class AutoBuckets:
     def before_forward(self, wrapper: Any) -> None:
         """Called by every training forward before its collectives: switch if this is the step
         boundary (the same forward on every rank), else nothing."""
-        if self._done:
+        if self.settled:
             return
         reducer: Reducer = wrapper.reducer
         if self._start is None:
@@ -134,8 +159,23 @@ class AutoBuckets:
             ]
         if reducer.window_forwards or wrapper._joining:
             return  # inside an accumulation window, or ranks may be missing: not here
-        if reducer.num_reductions >= self._start + WARMUP_STEPS + PROFILE_STEPS:
-            self._switch(wrapper, reducer)
+        step = reducer.num_reductions
+        self._marks[step] = _step_clock()
+        if self.switched_at is None:
+            if step >= self._start + WARMUP_STEPS + PROFILE_STEPS:
+                self._switch(wrapper, reducer)
+        elif step >= self.switched_at + TRIAL_STEPS:
+            self._settle(wrapper, reducer)
+
+    def _median_step(self, first: int, count: int) -> float:
+        """Median seconds of steps ``first .. first + count - 1`` (from each one's boundary to
+        the next; ``-1`` if none was timed, e.g. while ranks had joined)."""
+        times = [
+            self._marks[k + 1] - self._marks[k]
+            for k in range(first, first + count)
+            if k in self._marks and k + 1 in self._marks
+        ]
+        return statistics.median(times) if times else -1.0
 
     def _recorder(self, reducer: Reducer, index: int) -> Callable[[torch.Tensor], None]:
         def record(param: torch.Tensor) -> None:
@@ -172,23 +212,62 @@ class AutoBuckets:
         cost = fit_cost([(n, t) for (n, _), t in zip(samples, merged[len(params) :], strict=True)])
         firsts = [None] if self.first_cap_mb is None else [None, self.first_cap_mb]
         plan = choose_plan(params, ready, cost, caps_mb=CANDIDATE_CAPS_MB, first_caps_mb=firsts)
-        chosen: BucketPlan = deadline.gather_objects(plan, what)[0]  # rank 0's, on every rank
-        return chosen
+        initial = BucketPlan(
+            INITIAL_CAP_MB, self.first_cap_mb, len(reducer.buckets),
+            predict_end([b.spec for b in reducer.buckets], ready, cost), cost,
+        )  # fmt: skip
+        chosen: tuple[BucketPlan, BucketPlan] = deadline.gather_objects((plan, initial), what)[0]
+        self._initial = [b.spec for b in reducer.buckets], chosen[1]  # rank 0's, on every rank
+        return chosen[0]
 
     def _switch(self, wrapper: Any, reducer: Reducer) -> None:
-        self._done = True
         for handle in self._hooks:
             handle.remove()
         self._hooks = []
-        step = reducer.num_reductions
+        step = self.switched_at = reducer.num_reductions
         if not reducer.params:
+            self.settled = True
             return
         what = f"the choice of the bucket plan (bucket_cap_mb='auto', step {step})"
         reducer.deadline.begin(what)
-        plan = self.decide(reducer, what)
+        plan = self.plan = self.chosen = self.decide(reducer, what)
         specs = plan.specs([(local(p).numel(), p.dtype) for p in reducer.params])
-        wrapper.reducer = reducer.successor(specs)
-        wrapper.bucket_specs = specs
-        self.plan, self.switched_at = plan, step
         if reducer.deadline.rank == 0:
             logger.info("bucket_cap_mb='auto' chose %s, from step %d", describe(plan), step)
+        if specs == wrapper.bucket_specs:
+            self.settled = True  # the plan it has already: nothing to try
+            return
+        wrapper.reducer = reducer.successor(specs)
+        wrapper.bucket_specs = specs
+        # The initial plan's steps end where the choice began; the trial's first step starts
+        # after it (the probes are in neither).
+        assert self._start is not None
+        self._initial_s = self._median_step(self._start + WARMUP_STEPS, PROFILE_STEPS)
+        self._marks[step] = _step_clock()
+
+    def _settle(self, wrapper: Any, reducer: Reducer) -> None:
+        """Keep the chosen plan if its steps were no slower than the initial plan's, else go
+        back to the initial plan (every rank decides on the same MAX-reduced times)."""
+        assert self.switched_at is not None and self._initial is not None
+        self.settled = True
+        step = reducer.num_reductions
+        what = f"the trial of the bucket plan (bucket_cap_mb='auto', step {step})"
+        reducer.deadline.begin(what)
+        times = [self._initial_s, self._median_step(self.switched_at, TRIAL_STEPS)]
+        agreed = torch.tensor(times, dtype=torch.float64, device=reducer.deadline.device)
+        reducer.deadline.all_reduce(agreed, what, op=dist.ReduceOp.MAX)
+        initial_s, chosen_s = agreed.tolist()
+        self.trial = initial_s, chosen_s
+        slower = 0.0 < initial_s < chosen_s
+        if slower:
+            specs, self.plan = self._initial
+            wrapper.reducer = reducer.successor(specs)
+            wrapper.bucket_specs = specs
+            self.switched_at = step
+        if reducer.deadline.rank == 0:
+            verdict = "went back to the initial plan" if slower else "kept the chosen plan"
+            logger.info(
+                "bucket_cap_mb='auto' %s from step %d (median step %.2f ms with it, %.2f ms "
+                "with the initial %s)", verdict, step, chosen_s * 1e3, initial_s * 1e3,
+                describe(self._initial[1]),
+            )  # fmt: skip
