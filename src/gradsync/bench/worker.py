@@ -254,9 +254,15 @@ def _caps(plan: Any) -> str:
 def untimed_steps(
     steps: dict[str, Callable[[], None]], models: dict[str, nn.Module]
 ) -> dict[str, int]:
-    """Three untimed steps of every variant, and of "auto" until its plan is final (profile,
-    switch, trial: the same step on every rank); returns the bytes that gradsync's wire hooks
-    counted in the third (a steady step: PowerSGD compresses from step 3 on)."""
+    """Three untimed steps of every variant, after "auto" has run alone until its plan is final
+    (profile, switch, trial: the same step on every rank; alone, because its trial compares
+    step times from forward to forward, which interleaved variants would fill); returns the
+    bytes that gradsync's wire hooks counted in the third (a steady step: PowerSGD compresses
+    from step 3 on)."""
+    for name, model in models.items():
+        tuner = getattr(model, "_autotune", None)
+        while tuner is not None and not tuner.settled:
+            steps[name]()
     counted = {}
     for i in range(3):
         for name, step in steps.items():
@@ -265,10 +271,6 @@ def untimed_steps(
             after = wire.counted_bytes(models[name])
             if i == 2 and before is not None and after is not None:
                 counted[name] = after - before
-    for name, model in models.items():
-        tuner = getattr(model, "_autotune", None)
-        while tuner is not None and not tuner.settled:
-            steps[name]()
     return counted
 
 
