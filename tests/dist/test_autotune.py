@@ -23,7 +23,7 @@ from gradsync.testing.spawn import spawn
 
 import toy
 
-STEPS = 9  # the switch comes at step WARMUP_STEPS + PROFILE_STEPS = 4, the verdict at 7
+STEPS = 12  # the switch comes at step 7 (1 warm-up, 3 profiled, 3 timed whole), the verdict at 10
 SMALL_CAP_MB = 300 / 2**20  # 300 bytes: buckets of 1-2 parameters in the toy models
 # The toy models hold a few hundred bytes: with the library's candidates (0.25 MiB and up) every
 # plan is one bucket. Byte-sized candidates make the switch change the layout for real.
@@ -34,7 +34,7 @@ SLOW_WIRE = CostModel(latency_s=1e-9, bytes_per_s=1e3)
 # Latency dominates: one bucket wins.
 SLOW_CALLS = CostModel(latency_s=10.0, bytes_per_s=1e12)
 TOL = 2e-6  # as tests/dist/test_equivalence.py for these models: a few ulps over 10 steps
-SWITCH = autotune.WARMUP_STEPS + autotune.PROFILE_STEPS
+SWITCH = autotune.WARMUP_STEPS + autotune.PROFILE_STEPS + autotune.TRIAL_STEPS
 SETTLE = SWITCH + autotune.TRIAL_STEPS
 
 
@@ -52,10 +52,15 @@ def fixed_cost(cost: CostModel) -> Callable[[Any], CostModel]:
     return lambda samples: cost
 
 
-def trial_clock(trial_step_s: float) -> Callable[[], float]:
-    """A step clock under which the initial plan's steps take 1 s and the trial's
-    ``trial_step_s``: boundaries at steps 0-4, after the switch, then the trial's steps."""
-    ticks = iter([0.0, 1.0, 2.0, 3.0, 4.0, 4.5] + [4.5 + k * trial_step_s for k in range(1, 99)])
+def trial_clock(trial_step_s: float, first_steps_s: float = 1.0) -> Callable[[], float]:
+    """A step clock for the boundaries at steps 0 to SWITCH, after the switch, then the trial's:
+    the first (warm-up and profiled) steps take ``first_steps_s``, the initial plan's steps
+    before the switch 1 s, the trial's ``trial_step_s``."""
+    first = autotune.WARMUP_STEPS + autotune.PROFILE_STEPS
+    marks = [k * first_steps_s for k in range(first + 1)]
+    marks += [marks[-1] + k for k in range(1, SWITCH - first + 1)]
+    marks.append(marks[-1] + 0.5)  # the choice itself (probes), in neither median
+    ticks = iter(marks + [marks[-1] + k * trial_step_s for k in range(1, 99)])
     return lambda: next(ticks)
 
 
@@ -131,7 +136,10 @@ def _cases(rank: int, world: int) -> dict[str, Any]:
                     rank, world, "plain", "adamw", accumulate=2, as_view=True, eval_on_rank0=True
                 )
             # The trial: rank 1 finds the chosen plan slower, rank 0 faster. Both must go back.
-            with patched(autotune, "_step_clock", trial_clock(2.0 if rank == 1 else 0.5)):
+            # The first steps ran slower still (5 s): only the steps just before the switch
+            # may stand for the initial plan.
+            clock = trial_clock(2.0 if rank == 1 else 0.5, first_steps_s=5.0)
+            with patched(autotune, "_step_clock", clock):
                 out["went back"] = _run(rank, world, "plain", "adamw", accumulate=2)
         # The fixed plan "auto" moves to, for the bitwise comparison.
         out["fixed 0"] = _run(rank, world, "plain", "sgd", cap=0)

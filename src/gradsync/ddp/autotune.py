@@ -9,8 +9,9 @@ exists yet, on every rank at the same point:
    bucket cap). After ``WARMUP_STEPS`` synchronised steps (first-call costs, allocations), an
    extra post-accumulate-grad hook per parameter notes ``perf_counter`` when the gradient is
    ready inside each of ``PROFILE_STEPS`` synchronised backwards (not under ``no_sync``). The
-   hooks are removed at the switch: afterwards nothing is timed.
-2. Decide, at the first training forward after the profiled steps' reduction that starts a new
+   hooks are removed after them; then ``TRIAL_STEPS`` more steps under the initial plan are
+   timed whole (see 4).
+2. Decide, at the first training forward after those steps' reduction that starts a new
    accumulation window (``window_forwards == 0``: never inside a ``no_sync`` window, never inside
    a backward) outside ``join()``. ``num_reductions`` and the window are the same on every rank
    (the step tags check both), and eval forwards never get here (they may run on one rank), so
@@ -29,7 +30,9 @@ exists yet, on every rank at the same point:
    two loopback ranks sharing two cores, the model picked 2 MiB buckets that ran 5-10 % slower
    than the initial 25 MiB. So the choice is a trial: the median of ``TRIAL_STEPS`` step times
    (training forward to training forward, ``_step_clock``) under the new plan against the
-   median of the profiled steps under the initial one, both all-reduced with MAX so that every
+   median of as many steps just before the switch under the initial one (not the profiled
+   steps: a job's first steps run slower, which would favour any new plan; measured 558 against
+   394 ms on loopback), both all-reduced with MAX so that every
    rank compares the same two numbers; if the new plan was slower, every rank goes back to the
    initial plan at the next step boundary, by the same switch. Either way the plan is final.
 
@@ -135,7 +138,7 @@ class AutoBuckets:
         self._times: dict[int, dict[int, float]] = {}  # profiled step -> param index -> clock
         self._marks: dict[int, float] = {}  # num_reductions -> _step_clock at that boundary
         self._initial: tuple[list[BucketSpec], BucketPlan] | None = None  # to go back to
-        self._initial_s = -1.0  # median step under the initial plan, while profiled
+        self._initial_s = -1.0  # median step under the initial plan, before the switch
         self._hooks: list[RemovableHandle] = []
 
     @classmethod
@@ -161,8 +164,11 @@ class AutoBuckets:
             return  # inside an accumulation window, or ranks may be missing: not here
         step = reducer.num_reductions
         self._marks[step] = _step_clock()
+        profiled = self._start + WARMUP_STEPS + PROFILE_STEPS
         if self.switched_at is None:
-            if step >= self._start + WARMUP_STEPS + PROFILE_STEPS:
+            if step >= profiled:
+                self._remove_hooks()
+            if step >= profiled + TRIAL_STEPS:
                 self._switch(wrapper, reducer)
         elif step >= self.switched_at + TRIAL_STEPS:
             self._settle(wrapper, reducer)
@@ -181,7 +187,7 @@ class AutoBuckets:
         def record(param: torch.Tensor) -> None:
             assert self._start is not None
             step = reducer.num_reductions - self._start
-            if reducer.phase is _Phase.REDUCING and WARMUP_STEPS <= step:
+            if reducer.phase is _Phase.REDUCING and WARMUP_STEPS <= step:  # till removed
                 self._times.setdefault(step, {})[index] = _clock()
 
         return record
@@ -220,10 +226,13 @@ class AutoBuckets:
         self._initial = [b.spec for b in reducer.buckets], chosen[1]  # rank 0's, on every rank
         return chosen[0]
 
-    def _switch(self, wrapper: Any, reducer: Reducer) -> None:
+    def _remove_hooks(self) -> None:
         for handle in self._hooks:
             handle.remove()
         self._hooks = []
+
+    def _switch(self, wrapper: Any, reducer: Reducer) -> None:
+        self._remove_hooks()
         step = self.switched_at = reducer.num_reductions
         if not reducer.params:
             self.settled = True
@@ -239,10 +248,9 @@ class AutoBuckets:
             return
         wrapper.reducer = reducer.successor(specs)
         wrapper.bucket_specs = specs
-        # The initial plan's steps end where the choice began; the trial's first step starts
-        # after it (the probes are in neither).
-        assert self._start is not None
-        self._initial_s = self._median_step(self._start + WARMUP_STEPS, PROFILE_STEPS)
+        # The initial plan's last steps end where the choice began; the trial's first step
+        # starts after it (the probes are in neither).
+        self._initial_s = self._median_step(step - TRIAL_STEPS, TRIAL_STEPS)
         self._marks[step] = _step_clock()
 
     def _settle(self, wrapper: Any, reducer: Reducer) -> None:
