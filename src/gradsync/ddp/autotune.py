@@ -202,8 +202,9 @@ class AutoBuckets:
                 per_param[i].append(t - first)
         return [statistics.median(ts) if ts else -1.0 for ts in per_param]
 
-    def decide(self, reducer: Reducer, what: str) -> BucketPlan:
-        """Profile the collectives, agree on the timings and on rank 0's plan (collectives)."""
+    def decide(self, reducer: Reducer, what: str) -> tuple[BucketPlan, BucketPlan]:
+        """Profile the collectives, agree on the timings and on rank 0's plan (collectives):
+        the plan chosen, and the initial plan as the same cost model sees it."""
         deadline = reducer.deadline
         params = [(local(p).numel(), p.dtype) for p in reducer.params]
         total = sum(n * torch.empty((), dtype=d).element_size() for n, d in params)
@@ -218,13 +219,14 @@ class AutoBuckets:
         cost = fit_cost([(n, t) for (n, _), t in zip(samples, merged[len(params) :], strict=True)])
         firsts = [None] if self.first_cap_mb is None else [None, self.first_cap_mb]
         plan = choose_plan(params, ready, cost, caps_mb=CANDIDATE_CAPS_MB, first_caps_mb=firsts)
+        specs = [b.spec for b in reducer.buckets]
         initial = BucketPlan(
-            INITIAL_CAP_MB, self.first_cap_mb, len(reducer.buckets),
-            predict_end([b.spec for b in reducer.buckets], ready, cost), cost,
-        )  # fmt: skip
-        chosen: tuple[BucketPlan, BucketPlan] = deadline.gather_objects((plan, initial), what)[0]
-        self._initial = [b.spec for b in reducer.buckets], chosen[1]  # rank 0's, on every rank
-        return chosen[0]
+            INITIAL_CAP_MB, self.first_cap_mb, len(specs), predict_end(specs, ready, cost), cost
+        )
+        agreed_plans: tuple[BucketPlan, BucketPlan] = deadline.gather_objects(
+            (plan, initial), what
+        )[0]  # rank 0's, on every rank
+        return agreed_plans
 
     def _remove_hooks(self) -> None:
         for handle in self._hooks:
@@ -232,14 +234,16 @@ class AutoBuckets:
         self._hooks = []
 
     def _switch(self, wrapper: Any, reducer: Reducer) -> None:
-        self._remove_hooks()
+        # The profiling hooks are gone already (removed at the end of the profiled steps).
         step = self.switched_at = reducer.num_reductions
         if not reducer.params:
             self.settled = True
             return
         what = f"the choice of the bucket plan (bucket_cap_mb='auto', step {step})"
         reducer.deadline.begin(what)
-        plan = self.plan = self.chosen = self.decide(reducer, what)
+        plan, initial_plan = self.decide(reducer, what)
+        self.plan = self.chosen = plan
+        self._initial = wrapper.bucket_specs, initial_plan
         specs = plan.specs([(local(p).numel(), p.dtype) for p in reducer.params])
         if reducer.deadline.rank == 0:
             logger.info("bucket_cap_mb='auto' chose %s, from step %d", describe(plan), step)
