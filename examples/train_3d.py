@@ -28,6 +28,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 import gradsync
+from gradsync.ddp.buckets import parse_cap
 from gradsync.testing import mesh_run
 from gradsync.testing.corpus import CharDataset, generate_corpus
 from gradsync.testing.gpt import GPTConfig
@@ -44,7 +45,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--n-layer", type=int, default=2)
     p.add_argument("--n-embd", type=int, default=64)
     p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--bucket-cap-mb", type=float, default=25.0)
+    p.add_argument("--bucket-cap-mb", type=parse_cap, default="scaled")
     p.add_argument("--tolerance", type=float, default=1e-9, help="PASS threshold (float64)")
     p.add_argument("--timeout-s", type=float, default=120.0, help="process-group timeout")
     return p.parse_args(argv)

@@ -45,6 +45,7 @@ from tqdm import tqdm
 import gradsync
 from gradsync.checkpoint import Checkpointer, load_checkpoint, save_checkpoint
 from gradsync.data import DistributedSampler
+from gradsync.ddp.buckets import parse_cap
 from gradsync.testing.corpus import CharDataset, generate_corpus
 from gradsync.testing.gpt import GPT, GPTConfig, lm_loss
 
@@ -75,7 +76,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--seed", type=int, default=0, help="seeds the weights and the data order")
     p.add_argument("--eval-sequences", type=int, default=512, help="for the final loss")
-    p.add_argument("--bucket-cap-mb", type=float, default=25.0)
+    p.add_argument("--bucket-cap-mb", type=parse_cap, default="scaled")
     p.add_argument("--out", default="runs/gpt", help="folder for the checkpoints")
     p.add_argument("--save-every", type=int, default=25, help="checkpoint every N steps (0: never)")
     p.add_argument("--keep", type=int, default=3, help="checkpoints to keep")

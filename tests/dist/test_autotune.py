@@ -18,6 +18,7 @@ import torch.distributed as dist
 import gradsync
 from gradsync.ddp import autotune
 from gradsync.ddp.autoplan import CostModel
+from gradsync.ddp.buckets import SCALED_MIN_MB
 from gradsync.errors import UsageError
 from gradsync.testing.spawn import spawn
 
@@ -236,7 +237,8 @@ def test_auto_buckets(world: int) -> None:
         # Went back: one bucket (the initial plan) before the switch and after the trial.
         back = out["went back"]
         assert back["trial"] == (1.0, 2.0) and back["switched_at"] == SETTLE, back["trial"]
-        assert back["plan"][:2] == (autotune.INITIAL_CAP_MB, 1.0) and len(back["layout"]) == 1
+        # The toy's few hundred bytes: "scaled" gives the smallest cap, one bucket.
+        assert back["plan"][:2] == (SCALED_MIN_MB, 1.0) and len(back["layout"]) == 1
         buckets = [(s, m, n) for s, m, n in back["seen"] if m == 0]
         assert [n for s, _, n in buckets] == [1] * SWITCH + [back["num_trainable"]] * (
             SETTLE - SWITCH

@@ -33,7 +33,8 @@ def test_bench_cli_on_loopback_writes_report_and_plots(tmp_path: Path) -> None:
     for name in [
         "average_gradients",
         "gradsync cap 0 MB (per parameter)",
-        "gradsync cap 25 MB (default)",
+        "gradsync default (scaled)",
+        "gradsync cap 25 MB",
         "gradsync one bucket",
         "gradsync bucket_cap_mb='auto'",
         "torch DDP default",

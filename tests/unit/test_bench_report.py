@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from gradsync.bench import report
+from gradsync.bench import plots, report
 from gradsync.testing.netns import PAYLOAD_FRACTION
 
 
@@ -61,7 +61,8 @@ def fake_result(rate_mbit: float | None) -> dict[str, Any]:
     names = [
         ("average_gradients", "naive", 25.0),
         ("gradsync cap 0 MB (per parameter)", "gradsync", 0.0),
-        ("gradsync cap 25 MB (default)", "gradsync", 25.0),
+        ("gradsync default (scaled)", "gradsync", "scaled"),
+        ("gradsync cap 25 MB", "gradsync", 25.0),
         ("gradsync one bucket", "gradsync", None),
         ("gradsync bucket_cap_mb='auto'", "gradsync_auto", None),
         ("torch DDP default", "torch_ddp", 25.0),
@@ -70,7 +71,8 @@ def fake_result(rate_mbit: float | None) -> dict[str, Any]:
     step = {
         "average_gradients": [1.1, 1.0, 1.2],
         "gradsync cap 0 MB (per parameter)": [0.95, 0.9, 0.9],
-        "gradsync cap 25 MB (default)": [0.7, 0.8, 0.7],
+        "gradsync default (scaled)": [0.7, 0.8, 0.7],
+        "gradsync cap 25 MB": [0.69, 0.69, 0.69],
         "gradsync one bucket": [1.0, 1.0, 1.0],
         "gradsync bucket_cap_mb='auto'": [0.72, 0.72, 0.72],
         "torch DDP default": [0.8, 0.8, 0.9],
@@ -100,7 +102,7 @@ def fake_result(rate_mbit: float | None) -> dict[str, Any]:
 def test_variant_rows_and_targets_from_a_result() -> None:
     result = fake_result(1000.0)
     rows = {r.name: r for r in report.variant_rows(result)}
-    default = rows["gradsync cap 25 MB (default)"]
+    default = rows["gradsync default (scaled)"]
     assert default.step == pytest.approx(0.7)
     assert default.ratio_to_torch == pytest.approx(0.7 / 0.8)
     assert (default.limit, default.no_overlap) == (pytest.approx(0.6), pytest.approx(1.0))
@@ -112,20 +114,28 @@ def test_variant_rows_and_targets_from_a_result() -> None:
     verdicts = {what: met for what, met, _ in report.targets(result)}
     assert verdicts["gradsync default step <= 1.0x torch DDP default"] is True
     fastest = next(k for k in verdicts if k.startswith("fastest gradsync"))
-    assert verdicts[fastest] is True  # 0.75 (the default is also the fastest) > 0.5
+    assert verdicts[fastest] is True  # 0.775 (cap 25 MB, the fastest) > 0.5
     (bw,) = report.busbw_rows(result)
     # Ring bound 67.1 MB / 119.55 MB/s = 0.561 s against a 0.59 s median: 0.951 of the bound.
     assert bw.ratio == pytest.approx(0.951, abs=1e-3)
     busbw_target = next(k for k in verdicts if k.startswith("all-reduce bus bandwidth"))
     assert verdicts[busbw_target] is True
-    # auto: 0.72 / 0.8 = 0.9x torch (> 0.85), 0.72 / 0.7 = 1.029x the fastest cap (<= 1.03).
+    # The default: 0.7 / 0.8 = 0.875x torch (> 0.85), 0.7 / 0.69 = 1.014x the fastest fixed
+    # cap (<= 1.03). auto: 0.9x torch, 0.72 / 0.69 = 1.043x the fastest cap (> 1.03). The
+    # default is no fixed cap: were it one, auto would be within 3 % of it (1.029x).
+    assert verdicts["gradsync default <= 0.85x torch DDP default"] is False
+    assert verdicts["gradsync default within 3% of the fastest fixed cap"] is True
     assert verdicts["gradsync auto <= 0.85x torch DDP default"] is False
-    assert verdicts["gradsync auto within 3% of the fastest fixed cap"] is True
-    details = {what: detail for what, _, detail in report.targets(result | {"auto_plan": "X"})}
+    assert verdicts["gradsync auto within 3% of the fastest fixed cap"] is False
+    plans = {"auto_plan": "X", "default_plan": "Y"}
+    details = {what: detail for what, _, detail in report.targets(result | plans)}
     assert details["gradsync auto within 3% of the fastest fixed cap"].endswith("; X")
-    # On loopback (no link rate) the slow link's auto targets are not judged.
+    assert details["gradsync default within 3% of the fastest fixed cap"] == (
+        "1.014x gradsync cap 25 MB; Y"
+    )
+    # On loopback (no link rate) the slow link's bucket targets are not judged.
     loopback = {what for what, _, _ in report.targets(fake_result(None))}
-    assert not any("auto" in what for what in loopback)
+    assert not any("0.85x" in what or "3%" in what for what in loopback)
 
 
 def test_loopback_has_no_ring_bound_and_reports_render(tmp_path: Path) -> None:
@@ -134,9 +144,9 @@ def test_loopback_has_no_ring_bound_and_reports_render(tmp_path: Path) -> None:
     assert bw.ring_bound is None and bw.ratio is None
     assert not any(w.startswith("all-reduce") for w, _, _ in report.targets(loop))
     text = report.markdown_report([fake_result(1000.0), loop], ["a.png"])
-    assert "| gradsync cap 25 MB (default) | 700 |" in text
+    assert "| gradsync default (scaled) | 700 |" in text
     assert "0.75" in text and "![a.png](a.png)" in text
-    report.plot_step_vs_bucket([fake_result(1000.0), loop], str(tmp_path / "a.png"))
-    report.plot_breakdown([fake_result(1000.0), loop], str(tmp_path / "b.png"))
+    plots.plot_step_vs_bucket([fake_result(1000.0), loop], str(tmp_path / "a.png"))
+    plots.plot_breakdown([fake_result(1000.0), loop], str(tmp_path / "b.png"))
     assert (tmp_path / "a.png").stat().st_size > 1000
     assert (tmp_path / "b.png").stat().st_size > 1000

@@ -4,8 +4,18 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch import nn
 
-from gradsync.ddp.buckets import MB, Bucket, cap_to_bytes, plan_buckets
+import gradsync
+from gradsync.ddp.buckets import (
+    MB,
+    Bucket,
+    cap_to_bytes,
+    parse_cap,
+    plan_buckets,
+    resolve_cap,
+    scaled_cap_mb,
+)
 from gradsync.ddp.state_keys import strip_prefixes
 
 F32 = torch.float32
@@ -59,6 +69,44 @@ def test_cap_units_and_validation() -> None:
     assert cap_to_bytes(None) is None
     with pytest.raises(ValueError, match="bucket_cap_mb"):
         cap_to_bytes(-1)
+
+
+def test_scaled_cap_is_an_eighth_of_the_gradients_between_1_and_25_mib() -> None:
+    assert scaled_cap_mb(0) == scaled_cap_mb(8 * MB) == 1.0
+    assert scaled_cap_mb(50 * MB) == 6.25
+    assert scaled_cap_mb(200 * MB) == scaled_cap_mb(10**12) == 25.0
+    # Bytes, not elements: bf16 counts half as much as fp32; "auto" starts from the same plan.
+    params = [(4 * MB, F32), (8 * MB, torch.bfloat16), (8 * MB, F32)]  # 16 + 16 + 32 MiB
+    assert resolve_cap("scaled", params) == resolve_cap("auto", params) == 8.0
+    assert resolve_cap(5.0, params) == 5.0 and resolve_cap(None, params) is None
+
+
+@pytest.mark.parametrize("bad", ["fast", -1, float("nan"), float("inf"), True])
+def test_a_cap_that_is_none_of_the_choices_is_refused_naming_them(bad: object) -> None:
+    with pytest.raises(gradsync.UsageError, match="bucket_cap_mb.*'scaled' or 'auto'"):
+        resolve_cap(bad, [])  # type: ignore[arg-type]
+
+
+def test_parse_cap() -> None:
+    assert parse_cap("none") is None and parse_cap("6.5") == 6.5 and parse_cap("0") == 0.0
+    assert parse_cap("Scaled") == "scaled" and parse_cap("auto") == "auto"
+    for bad in ("-1", "fast", "inf"):
+        with pytest.raises(ValueError, match=f"got '{bad}'"):
+            parse_cap(bad)
+
+
+def test_the_wrapper_defaults_to_the_scaled_cap(one_rank) -> None:  # type: ignore[no-untyped-def]
+    # 16.25 MiB of fp32 gradients: 2.03 MiB buckets, where 25 MiB would make two buckets (the
+    # 1 MiB first one and the rest).
+    model = nn.Sequential(
+        *[nn.Linear(1024, 1024, bias=False) for _ in range(4)], nn.Linear(1024, 64)
+    )
+    grad_bytes = sum(p.numel() * 4 for p in model.parameters())
+    ddp = gradsync.DistributedDataParallel(model)
+    assert ddp.bucket_cap_mb == scaled_cap_mb(grad_bytes) == pytest.approx(2.0313, abs=1e-4)
+    assert [list(s.param_indices) for s in ddp.bucket_specs] == [[5, 4], [3], [2], [1], [0]]
+    fixed = gradsync.DistributedDataParallel(model, bucket_cap_mb=25.0)
+    assert fixed.bucket_cap_mb == 25.0 and len(fixed.bucket_specs) == 2
 
 
 def test_strip_prefixes() -> None:

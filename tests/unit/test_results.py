@@ -8,27 +8,14 @@ unused in some steps, accumulation under ``no_sync``, a parameter set changed af
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 import gradsync
 from gradsync.ddp import reducer as reducer_module
 from gradsync.ddp import results
 from gradsync.errors import ParametersChangedError, UnusedParametersError
-
-
-@pytest.fixture()
-def one_rank(tmp_path) -> Iterator[None]:  # type: ignore[no-untyped-def]
-    store = dist.FileStore(str(tmp_path / "store"), 1)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.fixture()

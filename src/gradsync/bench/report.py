@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gradsync.bench import wire
+from gradsync.ddp.buckets import SCALED
 from gradsync.testing.netns import PAYLOAD_FRACTION
 
 MIB = 2**20
@@ -82,7 +83,7 @@ class VariantRow:
 
     name: str
     kind: str
-    bucket_cap_mb: float | None
+    bucket_cap_mb: float | str | None
     step: float
     step_p25: float
     step_p75: float
@@ -176,7 +177,7 @@ def busbw_rows(result: dict[str, Any]) -> list[BusbwRow]:
 def targets(result: dict[str, Any]) -> list[tuple[str, bool | None, str]]:
     """(target, met?, the numbers) for one setting; ``None`` where it does not apply."""
     rows = variant_rows(result)
-    default = next(r for r in rows if r.kind == "gradsync" and r.bucket_cap_mb == 25.0)
+    default = next(r for r in rows if r.kind == "gradsync" and r.bucket_cap_mb == SCALED)
     torch_row = next(r for r in rows if r.kind == "torch_ddp")
     # "Best" is the fastest setting, the one a user would pick; its efficiency is what counts.
     gs = [r for r in rows if r.kind == "gradsync" and r.efficiency is not None]
@@ -198,7 +199,10 @@ def targets(result: dict[str, Any]) -> list[tuple[str, bool | None, str]]:
                 f"{best.name}: {best.efficiency:.2f} vs torch DDP {torch_row.efficiency:.2f}",
             )
         )
-    out += auto_targets(rows, result.get("auto_plan")) if result.get("rate_mbit") else []
+    if result.get("rate_mbit"):
+        auto = next((r for r in rows if r.kind == "gradsync_auto"), None)
+        out += bucket_targets("gradsync default", default, rows, result.get("default_plan"))
+        out += bucket_targets("gradsync auto", auto, rows, result.get("auto_plan"))
     at = [b for b in busbw_rows(result) if b.size_bytes == TARGET_BUSBW_BYTES]
     if at and at[0].ratio is not None:
         out.append(
@@ -211,19 +215,25 @@ def targets(result: dict[str, Any]) -> list[tuple[str, bool | None, str]]:
     return out
 
 
-def auto_targets(rows: Sequence[VariantRow], plan: str | None) -> list[tuple[str, bool, str]]:
-    """The issue's bucket targets, for ``bucket_cap_mb="auto"`` (which chose ``plan``) against
-    torch DDP and the fastest fixed cap of the same run (if the run had an auto row)."""
-    auto = next((r for r in rows if r.kind == "gradsync_auto"), None)
-    fixed = [r for r in rows if r.kind == "gradsync"]
-    if auto is None or not fixed:
+def fixed_caps(rows: Sequence[VariantRow]) -> list[VariantRow]:
+    """The gradsync rows with a numeric (or no) cap: not the default, not "auto"."""
+    return [r for r in rows if r.kind == "gradsync" and not isinstance(r.bucket_cap_mb, str)]
+
+
+def bucket_targets(
+    who: str, row: VariantRow | None, rows: Sequence[VariantRow], plan: str | None
+) -> list[tuple[str, bool, str]]:
+    """The issue's bucket targets for ``row`` (gradsync's default or "auto", whose plan was
+    ``plan``) against torch DDP and the fastest fixed cap of the same run; none without it."""
+    fixed = fixed_caps(rows)
+    if row is None or not fixed:
         return []
     best = min(fixed, key=lambda r: r.step)
     return [
-        ("gradsync auto <= 0.85x torch DDP default", auto.ratio_to_torch <= 0.85,
-         f"{auto.ratio_to_torch:.3f}x"),
-        ("gradsync auto within 3% of the fastest fixed cap", auto.step <= 1.03 * best.step,
-         f"{auto.step / best.step:.3f}x {best.name}; {plan or 'its plan not recorded'}"),
+        (f"{who} <= 0.85x torch DDP default", row.ratio_to_torch <= 0.85,
+         f"{row.ratio_to_torch:.3f}x"),
+        (f"{who} within 3% of the fastest fixed cap", row.step <= 1.03 * best.step,
+         f"{row.step / best.step:.3f}x {best.name}; {plan or 'its plan not recorded'}"),
     ]  # fmt: skip
 
 
@@ -316,85 +326,3 @@ def markdown_report(results: Sequence[dict[str, Any]], plots: Sequence[str] = ()
     parts.append("")
     parts += [f"![{p}]({p})" for p in plots]
     return "\n".join(parts) + "\n"
-
-
-def _cap_label(cap: float | None) -> str:
-    return "one" if cap is None else f"{cap:g}"
-
-
-def plot_step_vs_bucket(results: Sequence[dict[str, Any]], path: str) -> None:
-    """Step time of gradsync per bucket cap, inside the band [limit, no overlap] of that cap,
-    with torch DDP, ``average_gradients`` and compute alone as reference lines."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, len(results), figsize=(5.2 * len(results), 3.8), squeeze=False)
-    for ax, result in zip(axes[0], results, strict=True):
-        rows = variant_rows(result)
-        gs = [r for r in rows if r.kind == "gradsync"]
-        gs.sort(key=lambda r: float("inf") if r.bucket_cap_mb is None else r.bucket_cap_mb)
-        xs = list(range(len(gs)))
-        ms = [r.step * 1e3 for r in gs]
-        err = [[(r.step - r.step_p25) * 1e3 for r in gs], [(r.step_p75 - r.step) * 1e3 for r in gs]]
-        ax.fill_between(
-            xs,
-            [r.limit * 1e3 for r in gs],
-            [r.no_overlap * 1e3 for r in gs],
-            color="tab:blue",
-            alpha=0.12,
-            label="limit .. no overlap",
-        )
-        ax.errorbar(xs, ms, yerr=err, marker="o", color="tab:blue", capsize=3, label="gradsync")
-        styles = {"torch_ddp": ("tab:red", "--"), "naive": ("tab:gray", ":"),
-                  "gradsync_auto": ("tab:green", "-.")}  # fmt: skip
-        for r in rows:
-            if r.kind in styles:
-                color, ls = styles[r.kind]
-                ax.axhline(r.step * 1e3, color=color, ls=ls, label=r.name)
-            elif r.kind == "local":
-                ax.axhline(r.step * 1e3, color="black", lw=0.8, label="compute only")
-        ax.set_xticks(xs, [_cap_label(r.bucket_cap_mb) for r in gs])
-        ax.set_xlabel("gradsync bucket_cap_mb (MiB)")
-        ax.set_ylabel("median step time (ms)")
-        ax.set_title(result["label"], fontsize=9)
-        ax.set_ylim(bottom=0)
-        ax.grid(alpha=0.3)
-    axes[0][-1].legend(fontsize=7, loc="lower right")
-    fig.tight_layout()
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
-
-
-def plot_breakdown(results: Sequence[dict[str, Any]], path: str) -> None:
-    """Bars per variant: compute alone, communication alone, and the measured step."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(len(results), 1, figsize=(9, 3.2 * len(results)), squeeze=False)
-    for ax, result in zip(axes[:, 0], results, strict=True):
-        rows = [r for r in variant_rows(result) if r.kind != "local"]
-        xs = range(len(rows))
-        w = 0.27
-        ax.bar([x - w for x in xs], [r.compute * 1e3 for r in rows], w, label="compute only")
-        ax.bar(list(xs), [r.comm * 1e3 for r in rows], w, label="comm only")
-        ax.bar([x + w for x in xs], [r.step * 1e3 for r in rows], w, label="step")
-        # Where the step could be (limit) and would be without overlap, over the step bar.
-        sx = [x + w for x in xs]
-        limit, serial = [r.limit * 1e3 for r in rows], [r.no_overlap * 1e3 for r in rows]
-        ax.scatter(sx, limit, marker="_", s=250, c="k", label="limit")
-        ax.scatter(sx, serial, marker="_", s=250, c="tab:red", label="no overlap")
-        labels = [r.name.replace("gradsync ", "gs ").replace(" (default)", "*") for r in rows]
-        ax.set_xticks(list(xs), labels, rotation=20, ha="right", fontsize=7)
-        ax.set_ylabel("median (ms)")
-        ax.set_title(result["label"], fontsize=9)
-        ax.grid(axis="y", alpha=0.3)
-        top = max(max(r.step, r.no_overlap, r.compute, r.comm) for r in rows)
-        ax.set_ylim(0, 1.2 * top * 1e3)  # headroom for the legend
-    axes[0][0].legend(fontsize=7, ncols=5)
-    fig.tight_layout()
-    fig.savefig(path, dpi=90)
-    plt.close(fig)

@@ -29,7 +29,7 @@ class Variant:
     kind: str  # "naive" (average_gradients), "gradsync", "torch_ddp", or "local" (no sync);
     # "gradsync_wire" and "torch_ddp_hook": a wire format (see gradsync.bench.wire);
     # "gradsync_auto": bucket_cap_mb="auto" (the plan it switches to after its profiled steps)
-    bucket_cap_mb: float | None = 25.0
+    bucket_cap_mb: float | str | None = 25.0  # a string only for gradsync ("scaled", "auto")
     algorithm: str = "native"
     first_bucket_cap_mb: float | None = 1.0
     wire: str | None = None  # "bf16" or "powersgd" for the wire-format kinds
@@ -38,7 +38,7 @@ class Variant:
 DEFAULT_VARIANTS = (
     Variant("average_gradients", "naive"),
     Variant("gradsync bucket_cap_mb=0", "gradsync", 0.0),
-    Variant("gradsync default (25 MB)", "gradsync", 25.0),
+    Variant("gradsync default (scaled)", "gradsync", "scaled"),
     Variant("torch DDP default", "torch_ddp", 25.0),
 )
 

@@ -32,6 +32,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
 import gradsync
 from gradsync.bench.steptime import Variant
 from gradsync.comm.powersgd import PowerSGD
+from gradsync.ddp.buckets import SCALED
 
 WIRE_KINDS = ("gradsync_wire", "torch_ddp_hook")
 POWERSGD_RANK = 4
@@ -156,7 +157,7 @@ def wire_table(result: dict[str, Any]) -> str:
     default = next(
         v["name"]
         for v in result["variants"]
-        if v["kind"] == "gradsync" and v["bucket_cap_mb"] == 25.0
+        if v["kind"] == "gradsync" and v["bucket_cap_mb"] == SCALED
     )
     torch_name = next(v["name"] for v in result["variants"] if v["kind"] == "torch_ddp")
     names.insert(1, default)
@@ -175,7 +176,7 @@ def wire_table(result: dict[str, Any]) -> str:
 
 def wire_targets(result: dict[str, Any]) -> list[tuple[str, bool | None, str]]:
     """The issue's speed and volume targets for the wire formats, on one setting; the bf16
-    ones at every cap both bf16 wires ran at (the default 25 MB, then ``SMALL_CAP_MB``)."""
+    ones at every cap both bf16 wires ran at (torch DDP's default 25 MB, then ``SMALL_CAP_MB``)."""
     torch_name = next(v["name"] for v in result["variants"] if v["kind"] == "torch_ddp")
     names = {
         (v["wire"], v["kind"], v["bucket_cap_mb"]): v["name"]

@@ -49,29 +49,31 @@ from gradsync.bench.steptime import (
     num_parameters,
     time_interleaved,
 )
+from gradsync.ddp import buckets
+from gradsync.ddp.buckets import SCALED
 from gradsync.testing.busbw import allreduce_times
 
 MIB = 2**20
 COMM_PREFIX = "comm|"
 FLAT = "flat (all gradient bytes, 1 call)"
 DEFAULT_CAPS: tuple[float | None, ...] = (0.0, 1.0, 5.0, 25.0, 100.0, None)
+DEFAULT_NAME = "gradsync default (scaled)"
 
 
 def bench_variants(
     caps: Sequence[float | None] = DEFAULT_CAPS, formats: bool = False
 ) -> tuple[Variant, ...]:
-    """The variants ``gradsync bench`` compares: naive, gradsync per bucket cap, torch DDP, local;
-    with ``formats`` also the wire formats of :func:`gradsync.bench.wire.wire_variants`.
+    """The variants ``gradsync bench`` compares: naive, gradsync's default and each fixed
+    bucket cap, "auto", torch DDP, local; with ``formats`` also the wire formats of
+    :func:`gradsync.bench.wire.wire_variants`.
 
     ``None`` is one bucket for the whole model (gradsync's meaning of ``bucket_cap_mb=None``).
     """
-    variants = [Variant("average_gradients", "naive")]
+    variants = [Variant("average_gradients", "naive"), Variant(DEFAULT_NAME, "gradsync", SCALED)]
     for cap in caps:
         label = "one bucket" if cap is None else f"cap {cap:g} MB"
         if cap == 0:
             label += " (per parameter)"
-        elif cap == 25.0:
-            label += " (default)"
         variants.append(Variant(f"gradsync {label}", "gradsync", cap))
     variants.append(Variant("gradsync bucket_cap_mb='auto'", "gradsync_auto", None))
     variants.append(Variant("torch DDP default", "torch_ddp", 25.0))
@@ -227,6 +229,7 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
         "step_bytes": wire.step_bytes(cfg.variants, models, plans, counted, world),
         "busbw": busbw,
         "auto_plan": auto_plan(cfg.variants, models),
+        "default_plan": _default_plan(models[DEFAULT_NAME]),
     }
 
 
@@ -243,6 +246,11 @@ def auto_plan(variants: Sequence[Variant], models: dict[str, nn.Module]) -> str 
         kept = "kept it" if tuner.plan is tuner.chosen else f"went back to {_caps(tuner.plan)}"
         words += f"; {chosen_s * 1e3:.0f} against {initial_s * 1e3:.0f} ms a step on trial: {kept}"
     return words
+
+
+def _default_plan(model: nn.Module) -> str:
+    assert isinstance(model, gradsync.DistributedDataParallel)
+    return f"scaled to cap {model.bucket_cap_mb:.3g} MB: {len(model.bucket_specs)} buckets"
 
 
 def _caps(plan: Any) -> str:
@@ -302,12 +310,13 @@ class Progress:
 
 
 def parse_cap(text: str) -> float | None:
-    """A bucket cap in MiB from the command line; ``none`` means one bucket."""
-    if text.lower() in ("none", "one", "inf"):
+    """A fixed bucket cap in MiB from the command line; ``none`` means one bucket. The
+    default ("scaled") and "auto" run in every bench."""
+    if text.lower() in ("one", "inf"):
         return None
-    cap = float(text)
-    if cap < 0:
-        raise ValueError(f"bucket cap must be >= 0 or 'none', got {text!r}")
+    cap = buckets.parse_cap(text)
+    if isinstance(cap, str):
+        raise ValueError(f"--caps takes fixed caps ({cap!r} always runs), got {text!r}")
     return cap
 
 

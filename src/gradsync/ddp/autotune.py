@@ -5,12 +5,12 @@ Horovod's autotune once resized its fusion buffer while gradients were in flight
 them (horovod#1282). Here the plan changes once, at a point where no gradient of the coming step
 exists yet, on every rank at the same point:
 
-1. Profile. The wrapper starts with a fixed plan (``INITIAL_CAP_MB``, and the wrapper's first
-   bucket cap). After ``WARMUP_STEPS`` synchronised steps (first-call costs, allocations), an
-   extra post-accumulate-grad hook per parameter notes ``perf_counter`` when the gradient is
-   ready inside each of ``PROFILE_STEPS`` synchronised backwards (not under ``no_sync``). The
-   hooks are removed after them; then ``TRIAL_STEPS`` more steps under the initial plan are
-   timed whole (see 4).
+1. Profile. The wrapper starts with the default plan ("scaled", see [Note: the default bucket
+   cap] in ``buckets.py``, and the wrapper's first bucket cap). After ``WARMUP_STEPS``
+   synchronised steps (first-call costs, allocations), an extra post-accumulate-grad hook per
+   parameter notes ``perf_counter`` when the gradient is ready inside each of
+   ``PROFILE_STEPS`` synchronised backwards (not under ``no_sync``). The hooks are removed
+   after them; then ``TRIAL_STEPS`` more steps under the initial plan are timed whole (see 4).
 2. Decide, at the first training forward after those steps' reduction that starts a new
    accumulation window (``window_forwards == 0``: never inside a ``no_sync`` window, never inside
    a backward) outside ``join()``. ``num_reductions`` and the window are the same on every rank
@@ -28,7 +28,7 @@ exists yet, on every rank at the same point:
    backward on a CPU the same collectives compete with it for the cores (gloo adds and copies
    on the CPU, and so does the kernel's network stack), which no fit of idle timings sees: on
    two loopback ranks sharing two cores, the model picked 2 MiB buckets that ran 5-10 % slower
-   than the initial 25 MiB. So the choice is a trial: the median of ``TRIAL_STEPS`` step times
+   than 25 MiB ones. So the choice is a trial: the median of ``TRIAL_STEPS`` step times
    (training forward to training forward, ``_step_clock``) under the new plan against the
    median of as many steps just before the switch under the initial one (not the profiled
    steps: a job's first steps run slower, which would favour any new plan; measured 558 against
@@ -65,7 +65,7 @@ from gradsync.ddp.autoplan import (
     fit_cost,
     predict_end,
 )
-from gradsync.ddp.buckets import BucketSpec
+from gradsync.ddp.buckets import BucketSpec, check_cap
 from gradsync.ddp.deadline import Deadline
 from gradsync.ddp.reducer import Reducer, _Phase
 from gradsync.errors import UsageError
@@ -73,7 +73,6 @@ from gradsync.mesh.dtensors import local
 
 logger = logging.getLogger("gradsync")
 
-INITIAL_CAP_MB = 25.0  # the plan of the first steps: torch DDP's default
 WARMUP_STEPS = 1
 PROFILE_STEPS = 3
 TRIAL_STEPS = 3  # steps timed under the chosen plan before it is kept or given up
@@ -84,14 +83,11 @@ _step_clock: Callable[[], float] = time.perf_counter  # step boundaries' clock (
 
 
 def wants_auto(bucket_cap_mb: float | str | None, compression: object) -> bool:
-    """Whether ``bucket_cap_mb`` asks for ``"auto"``; refuses other strings and what cannot
-    follow a change of buckets (PowerSGD keeps per-bucket state)."""
-    if not isinstance(bucket_cap_mb, str):
-        return False
+    """Whether ``bucket_cap_mb`` asks for ``"auto"``; refuses what is no cap at all and what
+    cannot follow a change of buckets (PowerSGD keeps per-bucket state)."""
+    check_cap(bucket_cap_mb)
     if bucket_cap_mb != "auto":
-        raise UsageError(
-            f"bucket_cap_mb must be a number >= 0, None or 'auto', got {bucket_cap_mb!r}"
-        )
+        return False
     if isinstance(compression, PowerSGD):
         raise UsageError(
             "bucket_cap_mb='auto' cannot be combined with compression=PowerSGD: its matrices "
@@ -99,11 +95,6 @@ def wants_auto(bucket_cap_mb: float | str | None, compression: object) -> bool:
             "pass a numeric bucket_cap_mb"
         )
     return True
-
-
-def initial_cap(bucket_cap_mb: float | str | None) -> float | None:
-    """The cap the wrapper is built with (``"auto"`` starts from ``INITIAL_CAP_MB``)."""
-    return INITIAL_CAP_MB if isinstance(bucket_cap_mb, str) else bucket_cap_mb
 
 
 def measure_cost(deadline: Deadline, total_bytes: int, what: str) -> list[tuple[int, float]]:
@@ -202,9 +193,12 @@ class AutoBuckets:
                 per_param[i].append(t - first)
         return [statistics.median(ts) if ts else -1.0 for ts in per_param]
 
-    def decide(self, reducer: Reducer, what: str) -> tuple[BucketPlan, BucketPlan]:
+    def decide(
+        self, reducer: Reducer, initial_cap_mb: float | None, what: str
+    ) -> tuple[BucketPlan, BucketPlan]:
         """Profile the collectives, agree on the timings and on rank 0's plan (collectives):
-        the plan chosen, and the initial plan as the same cost model sees it."""
+        the plan chosen, and the initial plan (``initial_cap_mb``) as the same cost model sees
+        it."""
         deadline = reducer.deadline
         params = [(local(p).numel(), p.dtype) for p in reducer.params]
         total = sum(n * torch.empty((), dtype=d).element_size() for n, d in params)
@@ -221,7 +215,7 @@ class AutoBuckets:
         plan = choose_plan(params, ready, cost, caps_mb=CANDIDATE_CAPS_MB, first_caps_mb=firsts)
         specs = [b.spec for b in reducer.buckets]
         initial = BucketPlan(
-            INITIAL_CAP_MB, self.first_cap_mb, len(specs), predict_end(specs, ready, cost), cost
+            initial_cap_mb, self.first_cap_mb, len(specs), predict_end(specs, ready, cost), cost
         )
         agreed_plans: tuple[BucketPlan, BucketPlan] = deadline.gather_objects(
             (plan, initial), what
@@ -241,7 +235,7 @@ class AutoBuckets:
             return
         what = f"the choice of the bucket plan (bucket_cap_mb='auto', step {step})"
         reducer.deadline.begin(what)
-        plan, initial_plan = self.decide(reducer, what)
+        plan, initial_plan = self.decide(reducer, wrapper.bucket_cap_mb, what)
         self.plan = self.chosen = plan
         self._initial = wrapper.bucket_specs, initial_plan
         specs = plan.specs([(local(p).numel(), p.dtype) for p in reducer.params])

@@ -20,8 +20,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from gradsync.comm import AllReduceAlgorithm, get_algorithm, torch_hooks
 from gradsync.comm.formats import Compression, describe_compression, make_comm_hook
 from gradsync.ddp.autoplan import BucketPlan
-from gradsync.ddp.autotune import AutoBuckets, initial_cap
-from gradsync.ddp.buckets import BucketSpec, cap_to_bytes, plan_buckets
+from gradsync.ddp.autotune import AutoBuckets
+from gradsync.ddp.buckets import SCALED, BucketSpec, cap_to_bytes, plan_buckets, resolve_cap
 from gradsync.ddp.deadline import Deadline, as_timedelta
 from gradsync.ddp.diagnostics import check_can_wrap, check_replicas, warn_if_same_batch
 from gradsync.ddp.join import JoinProtocol
@@ -53,9 +53,13 @@ class DistributedDataParallel(nn.Module):
             group; never include a tensor-parallel axis). Parameters may be DTensors (e.g.
             from ``parallelize_module``): their local shards are reduced and their gradients
             stay DTensors with the parameter's placements. See ``gradsync/mesh/``.
-        bucket_cap_mb: bucket size in MiB. ``0``: one all-reduce per parameter; ``None``: one
-            bucket (per dtype); ``"auto"``: chosen from this job's profile after a few steps
-            (:attr:`bucket_plan`; see [Note: switching the bucket plan] in ``autotune.py``).
+        bucket_cap_mb: bucket size in MiB. ``"scaled"`` (the default): an eighth of the
+            gradients' bytes, between 1 and 25 MiB (torch DDP's default from 200 MiB of
+            gradients on; see [Note: the default bucket cap] in ``buckets.py``); ``0``: one
+            all-reduce per parameter; ``None``: one bucket (per dtype); ``"auto"``: chosen
+            from this job's profile after a few steps (:attr:`bucket_plan`; see [Note:
+            switching the bucket plan] in ``autotune.py``). :attr:`bucket_cap_mb` holds the
+            cap in MiB the buckets were planned with.
         first_bucket_cap_mb: a lower cap for the first bucket (the last layers' gradients), so
             communication starts early in backward; ``None`` uses ``bucket_cap_mb`` for all.
         find_unused_parameters: count a parameter without a gradient on some rank as zero there.
@@ -99,7 +103,7 @@ class DistributedDataParallel(nn.Module):
         *,
         process_group: dist.ProcessGroup | None = None,
         device_mesh: DeviceMesh | None = None,
-        bucket_cap_mb: float | str | None = 25.0,
+        bucket_cap_mb: float | str | None = SCALED,
         first_bucket_cap_mb: float | None = 1.0,
         find_unused_parameters: bool = False,
         gradient_as_bucket_view: bool = False,
@@ -143,7 +147,7 @@ class DistributedDataParallel(nn.Module):
         }  # fmt: skip
         self._make_replicas_equal(settings)
         self.reducer = self._build_reducer(
-            initial_cap(bucket_cap_mb), first_bucket_cap_mb,
+            bucket_cap_mb, first_bucket_cap_mb,
             find_unused_parameters=find_unused_parameters,
             gradient_as_bucket_view=gradient_as_bucket_view, check_finite=check_finite,
         )  # fmt: skip
@@ -167,7 +171,7 @@ class DistributedDataParallel(nn.Module):
 
     def _build_reducer(
         self,
-        bucket_cap_mb: float | None,
+        bucket_cap_mb: float | str | None,
         first_bucket_cap_mb: float | None,
         **options: Any,
     ) -> Reducer:
@@ -175,10 +179,10 @@ class DistributedDataParallel(nn.Module):
         watch = ParameterWatch(self.module)
         # named_parameters() already yields a tied parameter once, so it is reduced once.
         named = [(n, p) for n, p in watch.named if p.requires_grad]
+        sizes = [(local(p).numel(), self.main_grad_dtype or p.dtype) for _, p in named]
+        self.bucket_cap_mb = resolve_cap(bucket_cap_mb, sizes)
         self.bucket_specs: list[BucketSpec] = plan_buckets(
-            [(local(p).numel(), self.main_grad_dtype or p.dtype) for _, p in named],
-            cap_to_bytes(bucket_cap_mb),
-            cap_to_bytes(first_bucket_cap_mb),
+            sizes, cap_to_bytes(self.bucket_cap_mb), cap_to_bytes(first_bucket_cap_mb)
         )
         device = local(named[0][1]).device if named else torch.device("cpu")
         group = self._deadline.group

@@ -14,6 +14,7 @@ import math
 import os
 import sys
 
+from gradsync.ddp.buckets import parse_cap
 from gradsync.errors import SpawnError
 from gradsync.verify.inject import INJECTIONS
 from gradsync.verify.report import format_report
@@ -66,12 +67,6 @@ def _positive(text: str) -> float:
 
 def _non_negative(text: str) -> float:
     return _number(text, zero_ok=True)
-
-
-def _cap(text: str) -> float | None:
-    if text.lower() == "none":
-        return None
-    return _number(text, zero_ok=True, what="'none' or a finite number")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -149,9 +144,10 @@ def _add_training_arguments(parser: argparse.ArgumentParser, d: VerifyConfig) ->
     )
     parser.add_argument(
         "--bucket-cap-mb",
-        type=_cap,
+        type=parse_cap,
         default=d.bucket_cap_mb,
-        help="gradsync bucket cap in MiB; 'none': one bucket (default: %(default)s)",
+        help="gradsync bucket cap in MiB; 'none': one bucket; 'scaled' or 'auto' "
+        "(default: %(default)s)",
     )
 
 

@@ -34,7 +34,7 @@ class MeshReport:
     optimizer: str
     lr: float
     reduction: str
-    bucket_cap_mb: float | None
+    bucket_cap_mb: float | str | None
     tolerance: float
     rows: list[tuple[int, float, float, float, float]] = field(default_factory=list)
     """(step, reference loss, mesh loss, max |dparam|, max |dgrad|) per step."""

@@ -70,7 +70,7 @@ class VerifyConfig:
     lr: float | None = None
     """Default: 0.1 for sgd, 1e-3 for adamw."""
     reduction: str = "mean"
-    bucket_cap_mb: float | None = 25.0
+    bucket_cap_mb: float | str | None = "scaled"
     tolerance: float = 1e-4
     """Largest difference allowed in loss, gradients and parameters at any step: absolute for
     values below 1, relative to the reference's largest value above. fp32 rounding across ranks
