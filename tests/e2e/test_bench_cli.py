@@ -47,6 +47,9 @@ def test_bench_cli_on_loopback_writes_report_and_plots(tmp_path: Path) -> None:
     ]:
         assert f"| {name} |" in text or f"| comm only: {name} |" in text, text
     assert "gradsync default step <= 1.0x torch DDP default" in text
+    # Each bf16 wire at its library's default cap, then both at the same cap.
+    assert "gradsync bf16 step < torch DDP + bf16_compress_hook (default caps)" in text
+    assert "gradsync bf16 step < torch DDP + bf16_compress_hook (cap 5 MB)" in text
     (result,) = json.loads((out / "results.json").read_text())
     assert result["world"] == 2 and result["setting"] == "loopback"
     assert all(len(t) == 1 for t in result["step_s"].values())
