@@ -5,6 +5,7 @@
 
 Every variant trains the same GPT with AdamW, interleaved round by round in the same processes:
 ``gradsync auto`` (``bucket_cap_mb="auto"``: profiles its first steps, then switches plan),
+``gradsync default`` (``"scaled"``: an eighth of the gradient bytes, 1 to 25 MiB),
 ``gradsync cap C`` for fixed caps C (MiB; ``None``: one bucket), and ``torch DDP`` with its
 defaults (25 MiB). Each round starts with the next variant in turn, so that none always follows
 the same one, and builds every wrapper afresh, so "auto" profiles and decides again
@@ -24,7 +25,7 @@ from typing import Any
 from gradsync.bench import launch
 
 CAPS: tuple[float | None, ...] = (1.0, 5.0, 25.0, 100.0, None)
-VARIANTS = ("gradsync auto", *(f"gradsync cap {c}" for c in CAPS), "torch DDP")
+VARIANTS = ("gradsync auto", "gradsync default", *(f"gradsync cap {c}" for c in CAPS), "torch DDP")
 
 
 def _build(variant: str, cfg: Any, lr: float) -> tuple[Any, Any]:
@@ -40,6 +41,8 @@ def _build(variant: str, cfg: Any, lr: float) -> tuple[Any, Any]:
         ddp: Any = TorchDDP(model)
     elif variant == "gradsync auto":
         ddp = gradsync.DistributedDataParallel(model, bucket_cap_mb="auto")
+    elif variant == "gradsync default":
+        ddp = gradsync.DistributedDataParallel(model)
     else:
         cap = variant.rsplit(" ", 1)[1]
         ddp = gradsync.DistributedDataParallel(

@@ -69,7 +69,6 @@ from gradsync.ddp.buckets import BucketSpec, check_cap
 from gradsync.ddp.deadline import Deadline
 from gradsync.ddp.reducer import Reducer, _Phase
 from gradsync.errors import UsageError
-from gradsync.mesh.dtensors import local
 
 logger = logging.getLogger("gradsync")
 
@@ -194,13 +193,16 @@ class AutoBuckets:
         return [statistics.median(ts) if ts else -1.0 for ts in per_param]
 
     def decide(
-        self, reducer: Reducer, initial_cap_mb: float | None, what: str
+        self,
+        reducer: Reducer,
+        params: list[tuple[int, torch.dtype]],
+        initial_cap_mb: float | None,
+        what: str,
     ) -> tuple[BucketPlan, BucketPlan]:
         """Profile the collectives, agree on the timings and on rank 0's plan (collectives):
-        the plan chosen, and the initial plan (``initial_cap_mb``) as the same cost model sees
-        it."""
+        the plan chosen for ``params`` (``(numel, dtype)`` as the wrapper's buckets hold them),
+        and the initial plan (``initial_cap_mb``) as the same cost model sees it."""
         deadline = reducer.deadline
-        params = [(local(p).numel(), p.dtype) for p in reducer.params]
         total = sum(n * torch.empty((), dtype=d).element_size() for n, d in params)
         samples = measure_cost(deadline, total, what)
         values = self.ready_times(len(params)) + [t for _, t in samples]
@@ -235,10 +237,12 @@ class AutoBuckets:
             return
         what = f"the choice of the bucket plan (bucket_cap_mb='auto', step {step})"
         reducer.deadline.begin(what)
-        plan, initial_plan = self.decide(reducer, wrapper.bucket_cap_mb, what)
+        # The buckets' dtypes, not the parameters': fp32 for a bf16 model's main gradients.
+        sizes = wrapper.bucket_sizes
+        plan, initial_plan = self.decide(reducer, sizes, wrapper.bucket_cap_mb, what)
         self.plan = self.chosen = plan
         self._initial = wrapper.bucket_specs, initial_plan
-        specs = plan.specs([(local(p).numel(), p.dtype) for p in reducer.params])
+        specs = plan.specs(sizes)
         if reducer.deadline.rank == 0:
             logger.info("bucket_cap_mb='auto' chose %s, from step %d", describe(plan), step)
         if specs == wrapper.bucket_specs:

@@ -179,7 +179,9 @@ class DistributedDataParallel(nn.Module):
         watch = ParameterWatch(self.module)
         # named_parameters() already yields a tied parameter once, so it is reduced once.
         named = [(n, p) for n, p in watch.named if p.requires_grad]
+        # (numel, dtype) of each trainable parameter's gradient as the buckets hold it.
         sizes = [(local(p).numel(), self.main_grad_dtype or p.dtype) for _, p in named]
+        self.bucket_sizes = sizes
         self.bucket_cap_mb = resolve_cap(bucket_cap_mb, sizes)
         self.bucket_specs: list[BucketSpec] = plan_buckets(
             sizes, cap_to_bytes(self.bucket_cap_mb), cap_to_bytes(first_bucket_cap_mb)
