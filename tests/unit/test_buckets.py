@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 import gradsync
+from gradsync.comm.formats import wire_bytes
 from gradsync.ddp.buckets import (
     MB,
     Bucket,
@@ -79,6 +80,11 @@ def test_scaled_cap_is_an_eighth_of_the_gradients_between_1_and_25_mib() -> None
     params = [(4 * MB, F32), (8 * MB, torch.bfloat16), (8 * MB, F32)]  # 16 + 16 + 32 MiB
     assert resolve_cap("scaled", params) == resolve_cap("auto", params) == 8.0
     assert resolve_cap(5.0, params) == 5.0 and resolve_cap(None, params) is None
+    # The 1 MiB floor is on the wire: bf16 (half the bytes) buckets hold at least 2 MiB;
+    # PowerSGD's ~1/80 of the bytes keeps torch's 25 MiB however small the model.
+    assert scaled_cap_mb(50 * MB, 25 * MB) == 6.25 and scaled_cap_mb(8 * MB, 4 * MB) == 2.0
+    assert scaled_cap_mb(50 * MB, 50 * MB // 80) == 25.0
+    assert resolve_cap("scaled", params, wire_bytes=2 * MB) == 25.0
 
 
 @pytest.mark.parametrize("bad", ["fast", -1, float("nan"), float("inf"), True])
@@ -107,6 +113,15 @@ def test_the_wrapper_defaults_to_the_scaled_cap(one_rank) -> None:  # type: igno
     assert [list(s.param_indices) for s in ddp.bucket_specs] == [[5, 4], [3], [2], [1], [0]]
     fixed = gradsync.DistributedDataParallel(model, bucket_cap_mb=25.0)
     assert fixed.bucket_cap_mb == 25.0 and len(fixed.bucket_specs) == 2
+    named = list(model.named_parameters())
+    sizes = [(p.numel(), p.dtype) for _, p in named]
+    assert wire_bytes(None, named, sizes) == grad_bytes
+    assert wire_bytes("bf16", named, sizes) == grad_bytes // 2
+    # PowerSGD rank 4: P and Q of each 1024 x 1024 matrix (and of the 64 x 1024 one), the
+    # bias exact; the scaled cap then stays at 25 MiB.
+    psgd = gradsync.comm.PowerSGD(rank=4)
+    assert wire_bytes(psgd, named, sizes) == 4 * (4 * 2048 * 4 + 1088 * 4 + 64)
+    assert gradsync.DistributedDataParallel(model, compression=psgd).bucket_cap_mb == 25.0
 
 
 def test_strip_prefixes() -> None:

@@ -41,6 +41,26 @@ def describe_compression(compression: Compression) -> str:
     )
 
 
+def wire_bytes(
+    compression: Compression,
+    named_params: Sequence[tuple[str, torch.Tensor]],
+    sizes: Sequence[tuple[int, torch.dtype]],
+) -> int:
+    """Bytes the gradients of ``named_params`` (held in buckets as ``sizes``, ``(numel,
+    dtype)``) take in ``compression``, counted once (a ring all-reduce sends ``2(N-1)/N`` of
+    them): what the default bucket cap weighs (see [Note: the default bucket cap])."""
+    total = 0
+    for (_, param), (numel, dtype) in zip(named_params, sizes, strict=True):
+        size = torch.empty((), dtype=dtype).element_size()
+        if isinstance(compression, str):  # bf16, fp16: two bytes an element
+            size = WIRE_DTYPES[compression].itemsize
+        elif isinstance(compression, PowerSGD) and (shape := compression.matrix_shape(param.shape)):
+            n, m = shape
+            numel = (n + m) * min(n, m, compression.rank)  # the two factors P and Q
+        total += numel * size
+    return total
+
+
 def make_comm_hook(
     compression: Compression,
     algorithm: AllReduceAlgorithm,

@@ -53,20 +53,27 @@ class BucketSpec:
 # noise of each other. So the default, "scaled", is an eighth of the model's gradient bytes:
 # at least eight buckets, so that the wire waits for about an eighth of the backward before
 # the second bucket and about an eighth of the all-reduce is left after it. Bucket sizes stay
-# between 1 MiB (below it a collective's fixed cost dominates) and torch's 25 MiB (reached at
-# 200 MiB of gradients; larger models get torch's plan). Unlike "auto" the rule reads only the
-# parameters' sizes: the same plan on every rank, in every run of the job and in its resume,
-# so the bits a run computes do not depend on timings.
+# between 1 MiB *on the wire* (below it a collective's fixed cost dominates) and torch's 25 MiB
+# (reached at 200 MiB of gradients; larger models get torch's plan). The floor counts wire
+# bytes because a compressed bucket pays the fixed costs of its collectives (PowerSGD: two,
+# one after the other) for far fewer bytes: bf16 halves the bytes, so its buckets hold at
+# least 2 MiB of fp32 gradients; PowerSGD rank 4 sends ~1/80 of them, so its buckets stay at
+# 25 MiB (measured on the same GPT: 0.571x torch DDP's step at 25 MiB, 0.614x at 6 MiB on
+# the slow link; 1.026x and 1.089x on loopback). Unlike "auto" the rule reads only the
+# parameters' sizes and the wire format: the same plan on every rank, in every run of the job
+# and in its resume, so the bits a run computes do not depend on timings.
 SCALED = "scaled"
 SCALED_BUCKETS = 8
 SCALED_MIN_MB, SCALED_MAX_MB = 1.0, 25.0
 CAP_WORDS = (SCALED, "auto")  # the strings bucket_cap_mb takes (auto: see autotune.py)
 
 
-def scaled_cap_mb(grad_bytes: int) -> float:
-    """The cap of ``bucket_cap_mb="scaled"`` for ``grad_bytes`` of gradients (see [Note: the
-    default bucket cap])."""
-    return min(SCALED_MAX_MB, max(SCALED_MIN_MB, grad_bytes / SCALED_BUCKETS / MB))
+def scaled_cap_mb(grad_bytes: int, wire_bytes: int | None = None) -> float:
+    """The cap of ``bucket_cap_mb="scaled"`` for ``grad_bytes`` of gradients that take
+    ``wire_bytes`` on the wire (default: as many; see [Note: the default bucket cap])."""
+    shrink = grad_bytes / wire_bytes if wire_bytes else 1.0  # > 1 for a compressed wire
+    floor = SCALED_MIN_MB * max(shrink, 1.0)
+    return min(SCALED_MAX_MB, max(floor, grad_bytes / SCALED_BUCKETS / MB))
 
 
 def check_cap(bucket_cap_mb: float | str | None) -> None:
@@ -84,14 +91,22 @@ def check_cap(bucket_cap_mb: float | str | None) -> None:
 
 
 def resolve_cap(
-    bucket_cap_mb: float | str | None, params: Sequence[tuple[int, torch.dtype]]
+    bucket_cap_mb: float | str | None,
+    params: Sequence[tuple[int, torch.dtype]],
+    wire_bytes: int | None = None,
 ) -> float | None:
     """The cap in MiB a wrapper plans its buckets with, for parameters given as ``(numel,
-    dtype)``: "scaled" from their bytes, "auto" starts from "scaled" (until it has chosen)."""
+    dtype)`` whose gradients take ``wire_bytes`` on the wire: "scaled" from those bytes,
+    "auto" starts from "scaled" (until it has chosen)."""
     check_cap(bucket_cap_mb)
     if isinstance(bucket_cap_mb, str):
-        return scaled_cap_mb(sum(n * _element_size(d) for n, d in params))
+        return scaled_cap_mb(grad_bytes(params), wire_bytes)
     return bucket_cap_mb
+
+
+def grad_bytes(params: Sequence[tuple[int, torch.dtype]]) -> int:
+    """Bytes of the gradients of parameters given as ``(numel, dtype)``."""
+    return sum(n * _element_size(d) for n, d in params)
 
 
 def parse_cap(text: str) -> float | str | None:

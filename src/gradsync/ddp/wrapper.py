@@ -18,7 +18,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from gradsync.comm import AllReduceAlgorithm, get_algorithm, torch_hooks
-from gradsync.comm.formats import Compression, describe_compression, make_comm_hook
+from gradsync.comm.formats import Compression, describe_compression, make_comm_hook, wire_bytes
 from gradsync.ddp.autoplan import BucketPlan
 from gradsync.ddp.autotune import AutoBuckets
 from gradsync.ddp.buckets import SCALED, BucketSpec, cap_to_bytes, plan_buckets, resolve_cap
@@ -182,7 +182,8 @@ class DistributedDataParallel(nn.Module):
         # (numel, dtype) of each trainable parameter's gradient as the buckets hold it.
         sizes = [(local(p).numel(), self.main_grad_dtype or p.dtype) for _, p in named]
         self.bucket_sizes = sizes
-        self.bucket_cap_mb = resolve_cap(bucket_cap_mb, sizes)
+        wire = wire_bytes(self.compression, named, sizes)
+        self.bucket_cap_mb = resolve_cap(bucket_cap_mb, sizes, wire)
         self.bucket_specs: list[BucketSpec] = plan_buckets(
             sizes, cap_to_bytes(self.bucket_cap_mb), cap_to_bytes(first_bucket_cap_mb)
         )
