@@ -254,7 +254,7 @@ def _default_plan(model: nn.Module) -> str:
 
 
 def _caps(plan: Any) -> str:
-    cap = "one bucket" if plan.cap_mb is None else f"cap {plan.cap_mb:g} MB"
+    cap = "one bucket" if plan.cap_mb is None else f"cap {plan.cap_mb:.3g} MB"
     first = "" if plan.first_cap_mb is None else f", first bucket {plan.first_cap_mb:g} MB"
     return f"{cap}{first}: {plan.num_buckets} buckets"
 

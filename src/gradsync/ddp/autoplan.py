@@ -128,7 +128,7 @@ def choose_plan(
 def describe(plan: BucketPlan) -> str:
     """One line for the log: the caps, the bucket count, the prediction and the cost model."""
     first = "" if plan.first_cap_mb is None else f", first bucket {plan.first_cap_mb:g} MiB"
-    cap = "one bucket per dtype" if plan.cap_mb is None else f"cap {plan.cap_mb:g} MiB"
+    cap = "one bucket per dtype" if plan.cap_mb is None else f"cap {plan.cap_mb:.3g} MiB"
     return (
         f"{cap}{first}: {plan.num_buckets} bucket(s), predicted {plan.predicted_s * 1e3:.2f} ms "
         f"from the first gradient to the last bucket's end (collective cost "
