@@ -51,7 +51,7 @@ def wire_bytes(
     them): what the default bucket cap weighs (see [Note: the default bucket cap])."""
     total = 0
     for (_, param), (numel, dtype) in zip(named_params, sizes, strict=True):
-        size = torch.empty((), dtype=dtype).element_size()
+        size = dtype.itemsize
         if isinstance(compression, str):  # bf16, fp16: two bytes an element
             size = WIRE_DTYPES[compression].itemsize
         elif isinstance(compression, PowerSGD) and (shape := compression.matrix_shape(param.shape)):

@@ -106,7 +106,7 @@ def resolve_cap(
 
 def grad_bytes(params: Sequence[tuple[int, torch.dtype]]) -> int:
     """Bytes of the gradients of parameters given as ``(numel, dtype)``."""
-    return sum(n * _element_size(d) for n, d in params)
+    return sum(n * d.itemsize for n, d in params)
 
 
 def parse_cap(text: str) -> float | str | None:
@@ -124,10 +124,6 @@ def parse_cap(text: str) -> float | str | None:
     if not 0 <= cap < math.inf:
         check_cap(text)  # refused, naming what was written
     return cap
-
-
-def _element_size(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
 
 
 def cap_to_bytes(bucket_cap_mb: float | None) -> int | None:
