@@ -5,6 +5,7 @@ No process group, no network: numbers chosen so the expected values can be check
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 from typing import Any
 
@@ -150,3 +151,12 @@ def test_loopback_has_no_ring_bound_and_reports_render(tmp_path: Path) -> None:
     plots.plot_breakdown([fake_result(1000.0), loop], str(tmp_path / "b.png"))
     assert (tmp_path / "a.png").stat().st_size > 1000
     assert (tmp_path / "b.png").stat().st_size > 1000
+
+
+def test_bench_caps_are_fixed_caps() -> None:
+    from gradsync.bench import worker
+
+    assert worker.parse_cap("one") is None and worker.parse_cap("5") == 5.0
+    for word in ("scaled", "auto"):  # both run in every bench, in rows of their own
+        with pytest.raises(argparse.ArgumentTypeError, match="fixed caps"):
+            worker.parse_cap(word)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import argparse
+
 import pytest
 import torch
 from torch import nn
@@ -97,7 +99,7 @@ def test_parse_cap() -> None:
     assert parse_cap("none") is None and parse_cap("6.5") == 6.5 and parse_cap("0") == 0.0
     assert parse_cap("Scaled") == "scaled" and parse_cap("auto") == "auto"
     for bad in ("-1", "fast", "inf"):
-        with pytest.raises(ValueError, match=f"got '{bad}'"):
+        with pytest.raises(argparse.ArgumentTypeError, match=f"'scaled' or 'auto', got '{bad}'"):
             parse_cap(bad)
 
 

@@ -316,8 +316,15 @@ def parse_cap(text: str) -> float | None:
         return None
     cap = buckets.parse_cap(text)
     if isinstance(cap, str):
-        raise ValueError(f"--caps takes fixed caps ({cap!r} always runs), got {text!r}")
+        raise argparse.ArgumentTypeError(f"--caps takes fixed caps ({cap!r} always runs)")
     return cap
+
+
+def _checked_cap(text: str) -> str:
+    """``--caps``' type: ``text`` as written, once :func:`parse_cap` accepts it (the ranks
+    parse it again: the flags travel to them as text)."""
+    parse_cap(text)
+    return text
 
 
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
@@ -333,6 +340,7 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--caps",
         nargs="+",
+        type=_checked_cap,
         default=["none" if c is None else f"{c:g}" for c in DEFAULT_CAPS],
         help="gradsync bucket caps in MiB ('none': one bucket)",
     )

@@ -14,6 +14,7 @@ first bucket, every rank's step tag (see [Note: step tags] in ``step_tags.py``).
 
 from __future__ import annotations
 
+import argparse
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -111,7 +112,8 @@ def grad_bytes(params: Sequence[tuple[int, torch.dtype]]) -> int:
 
 def parse_cap(text: str) -> float | str | None:
     """``bucket_cap_mb`` as written on a command line: a number of MiB, ``none`` (one
-    bucket), ``scaled`` or ``auto``."""
+    bucket), ``scaled`` or ``auto``; for argparse's ``type=``, so a refusal is an
+    ``ArgumentTypeError`` whose message argparse prints."""
     word = text.strip().lower()
     if word == "none":
         return None
@@ -122,7 +124,10 @@ def parse_cap(text: str) -> float | str | None:
     except ValueError:
         cap = math.nan
     if not 0 <= cap < math.inf:
-        check_cap(text)  # refused, naming what was written
+        try:
+            check_cap(text)  # refused, naming what was written
+        except UsageError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from exc
     return cap
 
 
