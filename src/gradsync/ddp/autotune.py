@@ -65,7 +65,7 @@ from gradsync.ddp.autoplan import (
     fit_cost,
     predict_end,
 )
-from gradsync.ddp.buckets import BucketSpec, check_cap
+from gradsync.ddp.buckets import BucketSpec, check_cap, grad_bytes
 from gradsync.ddp.deadline import Deadline
 from gradsync.ddp.reducer import Reducer, _Phase
 from gradsync.errors import UsageError
@@ -203,8 +203,7 @@ class AutoBuckets:
         the plan chosen for ``params`` (``(numel, dtype)`` as the wrapper's buckets hold them),
         and the initial plan (``initial_cap_mb``) as the same cost model sees it."""
         deadline = reducer.deadline
-        total = sum(n * torch.empty((), dtype=d).element_size() for n, d in params)
-        samples = measure_cost(deadline, total, what)
+        samples = measure_cost(deadline, grad_bytes(params), what)
         values = self.ready_times(len(params)) + [t for _, t in samples]
         agreed = torch.tensor(values, dtype=torch.float64, device=deadline.device)
         deadline.all_reduce(agreed, what, op=dist.ReduceOp.MAX)
