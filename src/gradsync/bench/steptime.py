@@ -35,10 +35,13 @@ class Variant:
     wire: str | None = None  # "bf16" or "powersgd" for the wire-format kinds
 
 
+DEFAULT_NAME = "gradsync default (scaled)"
+"""The row of gradsync at its default bucket cap, in this harness and in ``gradsync bench``."""
+
 DEFAULT_VARIANTS = (
     Variant("average_gradients", "naive"),
     Variant("gradsync bucket_cap_mb=0", "gradsync", 0.0),
-    Variant("gradsync default (scaled)", "gradsync", "scaled"),
+    Variant(DEFAULT_NAME, "gradsync", "scaled"),
     Variant("torch DDP default", "torch_ddp", 25.0),
 )
 

@@ -43,6 +43,7 @@ from torch import nn
 import gradsync
 from gradsync.bench import wire
 from gradsync.bench.steptime import (
+    DEFAULT_NAME,
     StepTimeConfig,
     Variant,
     make_step_tasks,
@@ -57,7 +58,6 @@ MIB = 2**20
 COMM_PREFIX = "comm|"
 FLAT = "flat (all gradient bytes, 1 call)"
 DEFAULT_CAPS: tuple[float | None, ...] = (0.0, 1.0, 5.0, 25.0, 100.0, None)
-DEFAULT_NAME = "gradsync default (scaled)"
 
 
 def bench_variants(
