@@ -172,4 +172,9 @@ def mismatches(template: dict[str, Any], metadata: Metadata) -> list[str]:
 
 
 def _extra(key: str, flat: dict[str, Any]) -> bool:
-    return key.startswith("model.") and key not in flat
+    """A saved key that loading would drop: the model's, or the compression state's (a
+    PowerSGD checkpoint resumed without PowerSGD would lose its error feedback); the other
+    ranks' PowerSGD error buffers belong to them."""
+    if key in flat or ".error.rank" in key:
+        return False
+    return key.startswith(("model.", "gradsync.comm."))

@@ -66,8 +66,15 @@ def make_comm_hook(
     algorithm: AllReduceAlgorithm,
     group: dist.ProcessGroup | None,
     named_params: Sequence[tuple[str, torch.Tensor]],
+    *,
+    grad_dtype: torch.dtype | None = None,
+    owner: object = None,
+    keep_undo: bool = False,
 ) -> CommHook:
-    """The hook for a wrapper's trainable parameters ``named_params`` (in the wrapper's order)."""
+    """The hook for a wrapper's trainable parameters ``named_params`` (in the wrapper's order)
+    of the module ``owner``, whose buckets hold gradients in ``grad_dtype`` (``main_grad_dtype``;
+    ``None``: each parameter's dtype); ``keep_undo`` (``check_finite``): a stateful hook can
+    put back what a refused step changed (``CommHook.discard_step``)."""
     name = describe_compression(compression)
     if compression is None:
         return AllReduceHook(algorithm, group)
@@ -77,6 +84,7 @@ def make_comm_hook(
             f"got {algorithm.name!r}"
         )
     if isinstance(compression, PowerSGD):
-        compression.bind(named_params)
-        return PowerSGDHook(compression, [n for n, _ in named_params], group)
+        compression.bind(named_params, grad_dtype, owner)
+        names = [n for n, _ in named_params]
+        return PowerSGDHook(compression, names, group, keep_undo=keep_undo)
     return HalfPrecisionHook(name, group)

@@ -89,6 +89,15 @@ class CommHook(ABC):
     def load_state_dict(self, state: dict[str, Any]) -> None:  # noqa: B027 (stateless: no-op)
         """Restore what :meth:`state_dict` returned."""
 
+    def load_problem(self, state: dict[str, Any]) -> str | None:
+        """Why :meth:`load_state_dict` would refuse ``state``, or ``None`` (checked on every
+        rank before any rank loads)."""
+        return None
+
+    def discard_step(self) -> None:  # noqa: B027 (stateless: nothing to undo)
+        """The step's reduction was refused (NaN/Inf gradients, the step is skipped): put
+        back any state this step's buckets changed."""
+
 
 class AllReduceHook(CommHook):
     """The default: an in-place all-reduce of the whole bucket by ``algorithm`` over ``group``."""

@@ -25,6 +25,7 @@ another ``bucket_cap_mb`` (pass the same object) and a checkpoint (the wrapper's
 
 from __future__ import annotations
 
+import weakref
 import zlib
 from collections.abc import Sequence
 from typing import Any
@@ -73,6 +74,7 @@ class PowerSGD:
         self.step = 0  # synchronised reductions so far
         self.q: dict[str, torch.Tensor] = {}  # m x r per compressed matrix, equal on every rank
         self.error: dict[str, torch.Tensor] = {}  # n x m, this rank's
+        self._owner: weakref.ref[object] | None = None  # the module this state belongs to
 
     def __repr__(self) -> str:
         return (
@@ -89,26 +91,49 @@ class PowerSGD:
         r = min(n, m, self.rank)
         return (n, m) if n * m >= self.min_compression_rate * (n + m) * r else None
 
-    def bind(self, named_params: Sequence[tuple[str, torch.Tensor]]) -> None:
+    def bind(
+        self,
+        named_params: Sequence[tuple[str, torch.Tensor]],
+        grad_dtype: torch.dtype | None = None,
+        owner: object = None,
+    ) -> None:
         """Create the state of every compressed parameter not seen before (kept across
-        re-wraps); a parameter whose shape changed since is refused."""
+        re-wraps of ``owner``, the wrapped module); a parameter whose shape changed since is
+        refused, and so is a second live model: the state is keyed by parameter name, so two
+        models would share (and corrupt) each other's. The state is kept in ``grad_dtype``
+        (the buckets' dtype: ``main_grad_dtype``) or else each parameter's own."""
+        previous = self._owner() if self._owner is not None else None
+        if previous is not None and owner is not None and previous is not owner:
+            raise UsageError(
+                "this PowerSGD object already serves another model that is still alive (its "
+                "state is kept per parameter name); give each wrapped model its own PowerSGD"
+            )
+        if owner is not None:
+            self._owner = weakref.ref(owner)
         for name, param in named_params:
             shape = self.matrix_shape(param.shape)
             if shape is None:
                 continue
             n, m = shape
             r = min(n, m, self.rank)
+            dtype = grad_dtype or param.dtype
             if name in self.q:
                 if self.q[name].shape != (m, r) or self.error[name].shape != (n, m):
                     raise UsageError(
                         f"PowerSGD holds state for parameter '{name}' of another shape; use a "
                         "new PowerSGD object for a different model"
                     )
+                if self.error[name].dtype != dtype:
+                    raise UsageError(
+                        f"PowerSGD holds state for parameter '{name}' in "
+                        f"{self.error[name].dtype}, its gradients are now {dtype}; use a new "
+                        "PowerSGD object"
+                    )
                 continue
             g = torch.Generator().manual_seed(self.seed * 1_000_003 + zlib.crc32(name.encode()))
             q = torch.randn(m, r, generator=g, dtype=torch.float64)
-            self.q[name] = q.to(device=param.device, dtype=param.dtype)
-            self.error[name] = torch.zeros(n, m, device=param.device, dtype=param.dtype)
+            self.q[name] = q.to(device=param.device, dtype=dtype)
+            self.error[name] = torch.zeros(n, m, device=param.device, dtype=dtype)
 
     def state_dict(self, rank: int) -> dict[str, Any]:
         """``step`` and ``q`` (the same on every rank) and ``error.rank<r>`` (this rank's):
@@ -116,13 +141,40 @@ class PowerSGD:
         return {"step": self.step, "q": dict(self.q), f"error.rank{rank}": dict(self.error)}
 
     def load_state_dict(self, state: dict[str, Any], rank: int) -> None:
+        """Restore what :meth:`state_dict` returned on this rank; checked whole before
+        anything is overwritten, so a refused load leaves the state as it was."""
+        problem = self.load_problem(state, rank)
+        if problem is not None:
+            raise UsageError(problem)
         self.step = int(state["step"])
         for target, source in ((self.q, state["q"]), (self.error, state[f"error.rank{rank}"])):
             for name, value in source.items():
-                if name not in target or target[name].shape != value.shape:
-                    raise UsageError(f"PowerSGD state for '{name}' does not fit this model")
                 if target[name] is not value:
                     target[name].copy_(value)
+
+    def load_problem(self, state: dict[str, Any], rank: int) -> str | None:
+        """Why ``state`` cannot be loaded on ``rank``, or ``None``."""
+        key = f"error.rank{rank}"
+        if key not in state:
+            saved = sorted(k for k in state if k.startswith("error.rank"))
+            return (
+                f"the PowerSGD state holds the error buffers of {saved}, not of rank {rank}: "
+                "they differ per rank, so every rank must load what it saved itself "
+                "(sync_state_dict() on every rank; gradsync.checkpoint.Checkpointer does this)"
+            )
+        for what, target, source in (("Q", self.q, state["q"]), ("error", self.error, state[key])):
+            if set(source) != set(target):
+                extra, missing = (
+                    sorted(set(source) - set(target)),
+                    sorted(set(target) - set(source)),
+                )
+                parts = [f"{what} of {extra} saved, not compressed here"] if extra else []
+                parts += [f"{what} of {missing} compressed here, not saved"] if missing else []
+                return "the PowerSGD state does not fit this model: " + "; ".join(parts)
+            for name, value in source.items():
+                if target[name].shape != value.shape:
+                    return f"PowerSGD state for '{name}' does not fit this model"
+        return None
 
 
 def orthonormalize(p: torch.Tensor) -> None:
@@ -146,6 +198,8 @@ class PowerSGDHook(CommHook):
         config: PowerSGD,
         names: Sequence[str],
         group: dist.ProcessGroup | None,
+        *,
+        keep_undo: bool = False,
     ) -> None:
         self.config = config
         self.names = list(names)  # of the wrapper's trainable parameters, by index
@@ -154,6 +208,11 @@ class PowerSGDHook(CommHook):
         self.rank = dist.get_rank(group)
         self.stats = CommStats()
         self._worker = SerialWorker("gradsync-powersgd")
+        # With keep_undo (check_finite=True) each step first copies the state it is about to
+        # change, for discard_step: one pass over the error buffers and as much memory again.
+        self._undo: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = {} if keep_undo else None
+        self._undo_step: int | None = None  # config.step before this step
+        self._changed: list[str] = []  # parameters whose state this step changed
 
     def start(self, bucket: BucketLike) -> Handle:
         return self._worker.submit(lambda: self._reduce(bucket))
@@ -164,6 +223,9 @@ class PowerSGDHook(CommHook):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.config.load_state_dict(state, self.rank)
 
+    def load_problem(self, state: dict[str, Any]) -> str | None:
+        return self.config.load_problem(state, self.rank)
+
     def _all_reduce(self, flat: torch.Tensor) -> None:
         dist.all_reduce(flat, group=self.group)
         self.stats.calls += 1
@@ -171,41 +233,78 @@ class PowerSGDHook(CommHook):
         self.stats.bytes_sent += nbytes
         self.stats.bytes_received += nbytes
 
+    def discard_step(self) -> None:
+        """The step's reduction was refused (NaN/Inf): put back the state it changed, so
+        that skipping the step also skips it for PowerSGD (a NaN kept in an error buffer
+        would otherwise poison every later step)."""
+        if self._undo is None or self._undo_step is None:
+            return
+        self.config.step = self._undo_step
+        for name in self._changed:
+            error, q = self._undo[name]
+            self.config.error[name].copy_(error)
+            self.config.q[name].copy_(q)
+        self._changed.clear()
+
+    def _save_undo(self, names: Sequence[str]) -> None:
+        assert self._undo is not None
+        for name in names:
+            error, q = self.config.error[name], self.config.q[name]
+            if name not in self._undo:
+                self._undo[name] = (torch.empty_like(error), torch.empty_like(q))
+            self._undo[name][0].copy_(error)
+            self._undo[name][1].copy_(q)
+        self._changed += names
+
     def _reduce(self, bucket: BucketLike) -> None:
         config = self.config
-        if bucket.spec.index == 0:
-            config.step += 1  # this reduction's number: bucket 0 is the first of every step
+        if bucket.spec.index == 0:  # bucket 0 is the first of every step
+            self._undo_step, self._changed = config.step, []
+            config.step += 1  # this reduction's number
         compress = config.step > config.start_iter
         matrices, plain = [], []
         for slot, i in enumerate(bucket.spec.param_indices):
             name, view = self.names[i], bucket.views[slot]
             if compress and name in config.q:
-                matrices.append((name, view.view(config.error[name].shape)))
+                matrices.append((name, slot, view.view(config.error[name].shape)))
             else:
                 plain.append(view)
-        # Error feedback in place: each error buffer now holds M = gradient + error.
-        ms = [config.error[name].add_(grad) for name, grad in matrices]
+        if self._undo is not None:
+            self._save_undo([name for name, _, _ in matrices])
+        # Error feedback: each gradient's bucket slot now holds M = gradient + error. The
+        # error buffer itself changes only at the end, so a parameter that turns out to be
+        # unused on every rank keeps it as it was.
+        ms = [grad.add_(config.error[name]) for name, _, grad in matrices]
         # P^T = Q^T M^T rather than P = M Q (and Q^T = P^T M below rather than M^T P): the
         # same products, but BLAS runs these layouts 2-5x faster when r is this small
         # (benchmarks/2026-11-23-wire.md); P's columns are P^T's rows.
-        pts = [torch.mm(config.q[name].T, m.T) for (name, _), m in zip(matrices, ms, strict=True)]
+        pts = [
+            torch.mm(config.q[name].T, m.T) for (name, _, _), m in zip(matrices, ms, strict=True)
+        ]
         exact = tail(bucket)
         first = torch.cat([v.reshape(-1) for v in plain] + [exact] + [p.reshape(-1) for p in pts])
         self._all_reduce(first)  # uncompressed gradients, flags and tags (exact), and the Ps
         _unpack(first, [*plain, exact, *pts])
         if not matrices:
             return
+        used = exact[: len(bucket.spec.param_indices)].tolist()  # ranks that used each slot
         for pt in pts:
             orthonormalize(pt.T)
         qts = [torch.mm(pt, m) for pt, m in zip(pts, ms, strict=True)]
         second = torch.cat([q.reshape(-1) for q in qts])
         self._all_reduce(second)
         _unpack(second, qts)
-        for (name, grad), m, pt, qt in zip(matrices, ms, pts, qts, strict=True):
-            torch.mm(pt.T, qt, out=grad)  # the approximation A = P Q^T of the sum, in place
+        for (name, slot, m), pt, qt in zip(matrices, pts, qts, strict=True):
+            if used[slot] == 0:
+                # Unused on every rank (find_unused_parameters): .grad stays untouched, so
+                # nothing is applied, and its error and Q stay what they were.
+                m.zero_()
+                continue
+            error = config.error[name].copy_(m)
+            torch.mm(pt.T, qt, out=m)  # the approximation A = P Q^T of the sum, in place
             config.q[name].copy_(qt.T)  # warm start
             # Share the residual of the sum equally: the ranks' errors add up to sum(M) - A.
-            m.sub_(grad, alpha=1.0 / self.world_size)
+            error.sub_(m, alpha=1.0 / self.world_size)
 
 
 def _unpack(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:

@@ -335,6 +335,7 @@ class Reducer:
                     tags, self.deadline, self.num_reductions, self.watch, self.changes, windows
                 )
             if finite is not None and not all(finite):
+                self.comm_hook.discard_step()
                 bad = [b for b, ok in enumerate(finite) if not ok]
                 raise_nonfinite(bad, self._local_nonfinite, self.deadline)
             if not self.find_unused_parameters:

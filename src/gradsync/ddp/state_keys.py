@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Collection, Mapping
 from typing import Any
 
-from gradsync.errors import ProtocolError
+from gradsync.errors import ProtocolError, UsageError
 
 _PREFIXES = ("module.", "_orig_mod.")  # added by wrapping in DDP and by torch.compile
 
@@ -54,9 +54,28 @@ def sync_state(wrapper: Any) -> dict[str, Any]:
 
 
 def load_sync_state(wrapper: Any, state: Mapping[str, Any]) -> None:
-    """``DistributedDataParallel.load_sync_state_dict()``."""
+    """``DistributedDataParallel.load_sync_state_dict()``: a collective (one small
+    all-gather), so that a state one rank cannot load is refused on every rank before any
+    rank has changed anything."""
     sync_state(wrapper)  # the same refusal
+    problem = _comm_problem(wrapper, state)
+    every = wrapper._deadline.gather_objects(problem, "the check of the loaded sync state")
+    bad = [f"rank {r}: {p}" for r, p in enumerate(every) if p is not None]
+    if bad:
+        raise UsageError("cannot load this sync state; nothing was loaded.\n" + "\n".join(bad))
     wrapper.reducer.resume_from(int(state["num_reductions"]))
     wrapper._replicas_checked_at = int(state["replicas_checked_at"])
     if "comm" in state:
         wrapper.reducer.comm_hook.load_state_dict(state["comm"])
+
+
+def _comm_problem(wrapper: Any, state: Mapping[str, Any]) -> str | None:
+    """Why this rank cannot load the compression state of ``state``, or ``None``."""
+    hook = wrapper.reducer.comm_hook
+    keeps = bool(hook.state_dict())
+    compression = f"compression={wrapper._compression_name}"
+    if keeps and "comm" not in state:
+        return f"it holds no compression state, and this wrapper's {compression} keeps some"
+    if not keeps and "comm" in state:
+        return f"it holds compression state (e.g. PowerSGD's), this wrapper has {compression}"
+    return hook.load_problem(state["comm"]) if keeps else None

@@ -189,11 +189,15 @@ class DistributedDataParallel(nn.Module):
         )
         device = local(named[0][1]).device if named else torch.device("cpu")
         group = self._deadline.group
+        hook = make_comm_hook(
+            self.compression, self.algorithm, group, named, grad_dtype=self.main_grad_dtype,
+            owner=self.module, keep_undo=options.get("check_finite", False),
+        )  # fmt: skip
         return Reducer(
             watch,
             self.bucket_specs,
             deadline=self._deadline,
-            comm_hook=make_comm_hook(self.compression, self.algorithm, group, named),
+            comm_hook=hook,
             reduction=Reduction(self.reduction, group, device),
             layouts=self._layouts,
             main_grads=self.main_grad_dtype is not None,
