@@ -28,8 +28,9 @@ both paths) and rounding the sum once gives a result ``r`` with
 that is one rounding of the result plus one rounding of each input (the fp32 term is ~1e-7
 relative and the ``eta`` term only matters for fp16 values below 6e-5). :func:`rounding_bound`
 computes it; ``tests/dist/test_wire_formats.py`` checks it per element against an fp64 mean.
-fp16 overflows beyond 65504: an element that large becomes inf (``check_finite=True`` does not
-see it, as it checks before communication).
+fp16 overflows beyond 65504: an element that large becomes inf. ``check_finite=True`` catches
+it in the reduced gradients and raises on every rank, saying that no rank had NaN/Inf before
+communication (an overflow in the sum or on the wire).
 """
 
 from __future__ import annotations

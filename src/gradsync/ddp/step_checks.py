@@ -122,9 +122,13 @@ def raise_nonfinite(bad_buckets: list[int], nonfinite_here: list[str], deadline:
     """Raise :class:`NonFiniteGradientError` on every rank; NaN/Inf survive the sum, so every
     rank sees the same ``bad_buckets`` and arrives here."""
     lines = _per_rank_lines(nonfinite_here, deadline, "the report of NaN/Inf gradients")
+    where = f"before communication they were in:\n{lines}" if lines else (
+        "no rank had any before communication: the sum overflowed, or a value exceeded the "
+        "wire format's range (fp16: +-65504)"
+    )  # fmt: skip
     raise NonFiniteGradientError(
         f"NaN/Inf gradients in bucket(s) {bad_buckets} (seen from rank {deadline.rank}); "
-        f"before communication they were in:\n{lines}\nParameters are unchanged. Every rank "
+        f"{where}\nParameters are unchanged. Every rank "
         "raised this error, so catching it on every rank and calling optimizer.zero_grad() "
         "skips the step consistently."
     )

@@ -1,5 +1,6 @@
-"""PowerSGD's state at the edges: a skipped NaN step, a parameter unused on every rank, fp32
-main gradients, a second model, and loads that do not fit (real gloo ranks, one spawn).
+"""Compressed wires at the edges (real gloo ranks, one spawn): PowerSGD's state across a
+skipped NaN step, a parameter unused on every rank, fp32 main gradients, a second model and
+loads that do not fit; an fp16 wire that overflows.
 
 Each case checks what the user is promised: skipping a refused step skips it for PowerSGD
 too (bit for bit the run that never had that step), an unused parameter's error feedback is
@@ -145,6 +146,15 @@ def bad_loads(rank: int, folder: str) -> dict[str, str]:
     return out
 
 
+def fp16_overflow(rank: int) -> str:
+    """Finite inputs whose sum exceeds fp16's range: inf after the reduction."""
+    model = nn.Linear(1, 1, bias=False)
+    ddp = wrap(model, compression="fp16", check_finite=True)
+    with torch.no_grad():
+        model.weight.fill_(1.0)
+    return outcome(lambda: (ddp(torch.full((1, 1), 1.0)) * 80000.0).sum().backward())
+
+
 def grid(rank: int, world: int, folder: str) -> dict[str, Any]:
     return {
         "skipped": skipped_step(rank, nan_at=2),
@@ -152,12 +162,13 @@ def grid(rank: int, world: int, folder: str) -> dict[str, Any]:
         "unused": unused_everywhere(rank),
         "main_grads": main_grads(rank),
         "bad_loads": bad_loads(rank, folder),
+        "fp16_overflow": fp16_overflow(rank),
     }
 
 
 # -- the asserts ----------------------------------------------------------------------------------
 @pytest.mark.timeout(180)
-def test_powersgd_state(tmp_path: Path) -> None:
+def test_wire_edges(tmp_path: Path) -> None:
     results = spawn(grid, 2, (str(tmp_path),), timeout_s=150)
     for r in results:
         skipped, never = r["skipped"], r["never_had_it"]
@@ -186,4 +197,9 @@ def test_powersgd_state(tmp_path: Path) -> None:
         assert "holds compression state" in e["powersgd_into_exact"]
         assert e["checkpoint_into_exact"].startswith("CheckpointError")
         assert "'gradsync.comm." in e["checkpoint_into_exact"]
+
+        # 80000 on each rank, 40000 after the mean's pre-division, 80000 summed: inf in fp16.
+        overflow = r["fp16_overflow"]
+        assert overflow.startswith("NonFiniteGradientError"), overflow
+        assert "no rank had any before communication" in overflow
     assert torch.equal(results[0]["main_grads"]["main_grad"], results[1]["main_grads"]["main_grad"])
