@@ -63,8 +63,13 @@ class PowerSGD:
     ) -> None:
         if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
             raise UsageError(f"PowerSGD rank must be an integer >= 1, got {rank!r}")
-        if not min_compression_rate >= 0:
-            raise UsageError(f"min_compression_rate must be >= 0, got {min_compression_rate!r}")
+        rate_ok = isinstance(min_compression_rate, (int, float)) and min_compression_rate >= 0
+        if isinstance(min_compression_rate, bool) or not rate_ok:
+            raise UsageError(
+                f"min_compression_rate must be a number >= 0, got {min_compression_rate!r}"
+            )
+        if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**32:
+            raise UsageError(f"PowerSGD seed must be an integer in [0, 2**32), got {seed!r}")
         if isinstance(start_iter, bool) or not isinstance(start_iter, int) or start_iter < 0:
             raise UsageError(f"start_iter must be an integer >= 0, got {start_iter!r}")
         self.rank = rank
