@@ -165,6 +165,15 @@ def _errors(rank: int, world: int) -> dict:
     out["setting"] = error_text(
         lambda: gradsync.DistributedDataParallel(toy.Net(), bucket_cap_mb=1.0 + rank)
     )
+    # A setting only rank 1 gets wrong is refused on every rank, quoting rank 1's reason
+    # (not a wait for rank 1 until the deadline), and so is first_bucket_cap_mb=nan anywhere.
+    bad = {"bucket_cap_mb": -1.0} if rank == 1 else {}
+    out["bad_on_one"] = error_text(lambda: gradsync.DistributedDataParallel(toy.Net(), **bad))
+    bad = {"compression": "bfloat16"} if rank == 1 else {}
+    out["bad_compression"] = error_text(lambda: gradsync.DistributedDataParallel(toy.Net(), **bad))
+    out["first_nan"] = error_text(
+        lambda: gradsync.DistributedDataParallel(toy.Net(), first_bucket_cap_mb=float("nan"))
+    )
     # 2. Unused on every rank, find_unused_parameters=False: the same step raises everywhere.
     ddp = gradsync.DistributedDataParallel(toy.make_model("unused", 0))
     batch = toy.shard(toy.global_batch(0), rank, world)
@@ -195,6 +204,13 @@ def test_errors_are_raised_on_every_rank() -> None:
         assert "'extra.weight'" in out["extra_layer"] and f"rank {world - 1}" in out["extra_layer"]
         assert "'body.bias'" in out["missing_bias"] and "rank 1" in out["missing_bias"], out
         assert "'bucket_cap_mb'" in out["setting"] and "rank 1" in out["setting"], out
+        assert out["bad_on_one"].startswith("UsageError"), out
+        assert "rank 1: bucket_cap_mb must be" in out["bad_on_one"], out
+        assert "rank 1: compression must be" in out["bad_compression"], out
+        assert (
+            "rank 0: first_bucket_cap_mb must be a finite number >= 0 or None, got nan"
+            in (out["first_nan"])
+        ), out
         assert out["unused_all"].startswith("UnusedParametersError"), out
         for r in range(world):  # unused everywhere: every rank is named with the parameter
             assert f"rank {r}: ['unused.weight', 'unused.bias']" in out["unused_all"]

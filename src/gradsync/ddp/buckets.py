@@ -77,18 +77,21 @@ def scaled_cap_mb(grad_bytes: int, wire_bytes: int | None = None) -> float:
     return min(SCALED_MAX_MB, max(floor, grad_bytes / SCALED_BUCKETS / MB))
 
 
-def check_cap(bucket_cap_mb: float | str | None) -> None:
-    """``UsageError`` (a ``ValueError``) naming the choices, for a ``bucket_cap_mb`` that is
-    not a number >= 0, ``None`` or one of ``CAP_WORDS``."""
-    if bucket_cap_mb is None or bucket_cap_mb in CAP_WORDS:
+def check_cap(
+    bucket_cap_mb: float | str | None,
+    name: str = "bucket_cap_mb",
+    words: tuple[str, ...] = CAP_WORDS,
+) -> None:
+    """``UsageError`` (a ``ValueError``) naming the choices, for a cap ``name`` that is not a
+    number >= 0, ``None`` or one of ``words``."""
+    if bucket_cap_mb is None or bucket_cap_mb in words:
         return
     number = isinstance(bucket_cap_mb, (int, float)) and not isinstance(bucket_cap_mb, bool)
     if number and 0 <= bucket_cap_mb < math.inf:  # type: ignore[operator]
         return
-    raise UsageError(
-        f"bucket_cap_mb must be a finite number >= 0, None, 'scaled' or 'auto', "
-        f"got {bucket_cap_mb!r}"
-    )
+    *others, last = ["a finite number >= 0", "None", *(repr(w) for w in words)]
+    choices = f"{', '.join(others)} or {last}"
+    raise UsageError(f"{name} must be {choices}, got {bucket_cap_mb!r}")
 
 
 def resolve_cap(

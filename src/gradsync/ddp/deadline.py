@@ -195,3 +195,13 @@ class Deadline:
     def _wait_collective(self, work: dist.Work | None, what: str) -> None:
         assert work is not None
         self.wait(work, what)
+
+
+_num_wrappers = 0  # wrappers built in this process: the same sequence on every rank
+
+
+def new_wrapper_deadline(group: dist.ProcessGroup | None, timeout: timedelta) -> Deadline:
+    """The deadline (and private group) of the next wrapper built in this process."""
+    global _num_wrappers
+    _num_wrappers += 1
+    return Deadline.for_group(group, timeout, f"DistributedDataParallel #{_num_wrappers}")

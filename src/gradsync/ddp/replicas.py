@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, NamedTuple, NoReturn
 
 import torch
 import torch.distributed as dist
 
 from gradsync.ddp.deadline import Deadline
-from gradsync.errors import ModelMismatchError
+from gradsync.errors import ModelMismatchError, UsageError
 from gradsync.mesh.dtensors import local, placement_text
 
 Row = tuple[str, str, tuple[int, ...], str, bool, str]
@@ -45,7 +45,8 @@ def check_same_model(
     comparison on the same data, so every rank raises the same error and none is left waiting.
     """
     world = deadline.world_size
-    gathered = deadline.gather_objects((rows, settings), "the model check at construction")
+    gathered = deadline.gather_objects((rows, settings), WHAT)
+    _raise_refusals(gathered)
     ref_rows, ref_settings = gathered[0]
     for r in range(1, world):
         other_rows, other_settings = gathered[r]
@@ -68,6 +69,31 @@ def check_same_model(
                 f"ranks hold different models; {extra[0]} '{extra[1]}' exists on rank "
                 f"{who} only (rank 0 has {len(ref_rows)} tensors, rank {r} has {len(other_rows)})"
             )
+
+
+WHAT = "the model check at construction"
+
+
+class Refusal(NamedTuple):
+    """What a rank that refused its arguments sends in place of its model description."""
+
+    message: str
+
+
+def refuse_everywhere(error: UsageError, deadline: Deadline) -> NoReturn:
+    """Raise ``error`` of this rank on every rank: it takes part in the model check's gather
+    (the same collectives as :func:`check_same_model`) with a :class:`Refusal`, so a peer whose
+    own arguments were fine raises too instead of waiting for this rank until the deadline."""
+    _raise_refusals(deadline.gather_objects(Refusal(str(error).removeprefix("gradsync: ")), WHAT))
+    raise AssertionError("unreachable: this rank's refusal is in the gather")
+
+
+def _raise_refusals(gathered: list[Any]) -> None:
+    lines = [f"  rank {r}: {g.message}" for r, g in enumerate(gathered) if isinstance(g, Refusal)]
+    if lines:
+        raise UsageError(
+            "DistributedDataParallel refused its arguments on some rank(s):\n" + "\n".join(lines)
+        )
 
 
 def _fmt(row: Row) -> str:

@@ -19,25 +19,24 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from gradsync.comm import AllReduceAlgorithm, get_algorithm, torch_hooks
 from gradsync.comm.formats import Compression, describe_compression, make_comm_hook, wire_bytes
+from gradsync.ddp import buckets
 from gradsync.ddp.autoplan import BucketPlan
 from gradsync.ddp.autotune import AutoBuckets
 from gradsync.ddp.buckets import SCALED, BucketSpec, cap_to_bytes, plan_buckets, resolve_cap
-from gradsync.ddp.deadline import Deadline, as_timedelta
+from gradsync.ddp.deadline import as_timedelta, new_wrapper_deadline
 from gradsync.ddp.diagnostics import check_can_wrap, check_replicas, warn_if_same_batch
 from gradsync.ddp.join import JoinProtocol
 from gradsync.ddp.main_grads import check_main_grad_dtype
 from gradsync.ddp.param_watch import ParameterWatch
 from gradsync.ddp.reducer import Reducer
 from gradsync.ddp.reduction import Reduction, check_reduction
-from gradsync.ddp.replicas import broadcast_from, check_same_model, describe
+from gradsync.ddp.replicas import broadcast_from, check_same_model, describe, refuse_everywhere
 from gradsync.ddp.state_keys import load_sync_state, strip_prefixes, sync_state
 from gradsync.errors import GradsyncError, UsageError
 from gradsync.mesh.axes import axis_names, data_parallel_group
 from gradsync.mesh.dtensors import grad_layouts, local
 from gradsync.optim.overlap import attach_sharded_optimizer
 from gradsync.optim.sharded import ShardedOptimizer
-
-_num_wrappers = 0  # wrappers built in this process: the same sequence on every rank
 
 
 class DistributedDataParallel(nn.Module):
@@ -118,23 +117,24 @@ class DistributedDataParallel(nn.Module):
     ) -> None:
         super().__init__()
         check_can_wrap(module, DistributedDataParallel)
-        check_reduction(reduction)
-        self.module = module
-        self.device_mesh = device_mesh
+        self.module, self.device_mesh = module, device_mesh
         self.process_group = process_group = data_parallel_group(process_group, device_mesh)
-        self._layouts = grad_layouts(module.named_parameters(), process_group)
-        self.main_grad_dtype = check_main_grad_dtype(
-            main_grad_dtype, gradient_as_bucket_view, self._layouts, module
-        )
-        self.reduction = reduction
-        self.broadcast_buffers = broadcast_buffers
-        self.algorithm = get_algorithm(algorithm)
-        self.compression = compression
-        self._compression_name = describe_compression(compression)
         self.timeout = as_timedelta(timeout)
-        self.check_replicas_every = check_replicas_every
-        self._deadline = _new_deadline(process_group, self.timeout)
-        self._autotune = AutoBuckets.create(bucket_cap_mb, first_bucket_cap_mb, compression)
+        self._deadline = new_wrapper_deadline(process_group, self.timeout)
+        try:  # a refusal on one rank is raised on every rank, in place of the model check
+            check_reduction(reduction)
+            buckets.check_cap(first_bucket_cap_mb, "first_bucket_cap_mb", words=())
+            self._layouts = grad_layouts(module.named_parameters(), process_group)
+            self.main_grad_dtype = check_main_grad_dtype(
+                main_grad_dtype, gradient_as_bucket_view, self._layouts, module
+            )
+            self.algorithm = get_algorithm(algorithm)
+            self._compression_name = describe_compression(compression)
+            self._autotune = AutoBuckets.create(bucket_cap_mb, first_bucket_cap_mb, compression)
+        except UsageError as exc:
+            refuse_everywhere(exc, self._deadline)
+        self.reduction, self.broadcast_buffers = reduction, broadcast_buffers
+        self.compression, self.check_replicas_every = compression, check_replicas_every
         # Every setting that changes which collectives run must agree across ranks.
         settings = {
             "bucket_cap_mb": bucket_cap_mb, "first_bucket_cap_mb": first_bucket_cap_mb,
@@ -385,10 +385,3 @@ class DistributedDataParallel(nn.Module):
     def load_sync_state_dict(self, state: Mapping[str, Any]) -> None:
         """Continue the step counter from a checkpoint (see :meth:`sync_state_dict`)."""
         load_sync_state(self, state)
-
-
-def _new_deadline(group: dist.ProcessGroup | None, timeout: timedelta) -> Deadline:
-    """The deadline (and private group) of the next wrapper built in this process."""
-    global _num_wrappers
-    _num_wrappers += 1
-    return Deadline.for_group(group, timeout, f"DistributedDataParallel #{_num_wrappers}")
