@@ -21,9 +21,18 @@ exists yet, on every rank at the same point:
    and rank 0's plan exchanged through ``Deadline.gather_objects`` and taken by every rank.
    The plan must be identical everywhere (a rank with other buckets would sum unrelated
    gradients or wait forever), so it is agreed on, never left to timings or floating point.
+   Before any of that the ranks agree (MAX) on whether the module's parameter set differs
+   from wrapping time on some rank (``ParameterWatch.changes``). The buckets describe the
+   wrapping-time set, and a new reducer would hook the parameters trainable *now*: its buckets
+   would index past its parameter list, or hold a parameter no gradient reaches. So no rank
+   switches then; the step goes on under the current plan, whose step tags raise
+   ``ParametersChangedError`` on every rank, naming the parameter, as without ``"auto"``. The
+   switch is tried again at the next step boundary.
 3. Switch. A new :class:`Reducer` with the chosen buckets on the same parameter watch, comm hook
    and reduction; ``num_reductions`` carries on, so step tags and checkpoints continue. Building
-   it retires the old reducer (its hooks are removed; see ``_OWNERS`` in ``reducer.py``).
+   it retires the old reducer (its hooks are removed; see ``_OWNERS`` in ``reducer.py``). Every
+   ``p.main_grad`` moves to its slot in the new buckets (``move_main_grads``), and the wrapper's
+   ``bucket_cap_mb`` becomes the cap the new buckets were planned with.
 4. Keep it only if it is faster. The cost model times collectives on an idle machine; during a
    backward on a CPU the same collectives compete with it for the cores (gloo adds and copies
    on the CPU, and so does the kernel's network stack), which no fit of idle timings sees: on
@@ -34,7 +43,8 @@ exists yet, on every rank at the same point:
    steps: a job's first steps run slower, which would favour any new plan; measured 558 against
    394 ms on loopback), both all-reduced with MAX so that every
    rank compares the same two numbers; if the new plan was slower, every rank goes back to the
-   initial plan at the next step boundary, by the same switch. Either way the plan is final.
+   initial plan at the next step boundary, by the same switch (not at one where the parameter
+   set changed, as in 2). Either way the plan is final.
 
 The gradients are the ones the fixed plan gives: each rank's contribution is copied (and
 pre-divided, elementwise) into whichever bucket holds the parameter, and the all-reduce sums
@@ -110,6 +120,35 @@ def measure_cost(deadline: Deadline, total_bytes: int, what: str) -> list[tuple[
             times.append(time.perf_counter() - start)
         samples.append((buf.numel() * 4, statistics.median(times)))
     return samples
+
+
+def changed_anywhere(reducer: Reducer, what: str) -> bool:
+    """Whether the parameter set differs from wrapping time on some rank (a collective: the
+    same answer on every rank, so that all switch or none does)."""
+    local_change = 1.0 if reducer.watch.changes() else 0.0
+    flag = torch.tensor([local_change], dtype=torch.float64, device=reducer.deadline.device)
+    reducer.deadline.all_reduce(flag, what, op=dist.ReduceOp.MAX)
+    return bool(flag.item() > 0.0)
+
+
+def move_main_grads(old: Reducer, new: Reducer) -> None:
+    """Point every ``p.main_grad`` at its slot in ``new``'s buckets, keeping its value.
+
+    The reduction writes ``main_grad`` only for parameters used on some rank; one unused on
+    every rank keeps the view it had. Left in the retired buckets, which no forward zeroes any
+    more, it would hold an old step's gradient for an optimizer to step on, where the fixed
+    plan (and one process) gives zeros. Requires the same parameters in both reducers."""
+    if not new.main_grads:
+        return
+    assert list(map(id, new.params)) == list(map(id, old.params)), "parameters changed"
+    for index, param in enumerate(new.params):
+        main = getattr(param, "main_grad", None)
+        if main is None:
+            continue  # never reduced: no main_grad yet, as with the fixed plan
+        b, slot = new.location[index]
+        view = new.buckets[b].views[slot]
+        view.copy_(main)
+        param.main_grad = view  # type: ignore[attr-defined]
 
 
 class AutoBuckets:
@@ -230,12 +269,15 @@ class AutoBuckets:
 
     def _switch(self, wrapper: Any, reducer: Reducer) -> None:
         # The profiling hooks are gone already (removed at the end of the profiled steps).
-        step = self.switched_at = reducer.num_reductions
+        step = reducer.num_reductions
         if not reducer.params:
-            self.settled = True
+            self.switched_at, self.settled = step, True
             return
         what = f"the choice of the bucket plan (bucket_cap_mb='auto', step {step})"
         reducer.deadline.begin(what)
+        if changed_anywhere(reducer, what):
+            return  # none switches; this step raises ParametersChangedError (the Note, 2.)
+        self.switched_at = step
         # The buckets' dtypes, not the parameters': fp32 for a bf16 model's main gradients.
         sizes = wrapper.bucket_sizes
         plan, initial_plan = self.decide(reducer, sizes, wrapper.bucket_cap_mb, what)
@@ -247,31 +289,42 @@ class AutoBuckets:
         if specs == wrapper.bucket_specs:
             self.settled = True  # the plan it has already: nothing to try
             return
-        wrapper.reducer = reducer.successor(specs)
-        wrapper.bucket_specs = specs
+        self._adopt(wrapper, reducer, specs, plan.cap_mb)
         # The initial plan's last steps end where the choice began; the trial's first step
         # starts after it (the probes are in neither).
         self._initial_s = self._median_step(step - TRIAL_STEPS, TRIAL_STEPS)
         self._marks[step] = _step_clock()
 
+    @staticmethod
+    def _adopt(
+        wrapper: Any, reducer: Reducer, specs: list[BucketSpec], cap_mb: float | None
+    ) -> None:
+        """Give ``wrapper`` a reducer with ``specs``, planned with ``cap_mb``, from this step on."""
+        new = wrapper.reducer = reducer.successor(specs)
+        wrapper.bucket_specs = specs
+        wrapper.bucket_cap_mb = cap_mb  # the cap the buckets in use were planned with
+        move_main_grads(reducer, new)
+
     def _settle(self, wrapper: Any, reducer: Reducer) -> None:
         """Keep the chosen plan if its steps were no slower than the initial plan's, else go
         back to the initial plan (every rank decides on the same MAX-reduced times)."""
         assert self.switched_at is not None and self._initial is not None
-        self.settled = True
         step = reducer.num_reductions
         what = f"the trial of the bucket plan (bucket_cap_mb='auto', step {step})"
         reducer.deadline.begin(what)
         times = [self._initial_s, self._median_step(self.switched_at, TRIAL_STEPS)]
+        times.append(1.0 if reducer.watch.changes() else 0.0)  # as changed_anywhere
         agreed = torch.tensor(times, dtype=torch.float64, device=reducer.deadline.device)
         reducer.deadline.all_reduce(agreed, what, op=dist.ReduceOp.MAX)
-        initial_s, chosen_s = agreed.tolist()
+        initial_s, chosen_s, changed = agreed.tolist()
+        if changed:
+            return  # none switches; this step raises ParametersChangedError (the Note, 2.)
+        self.settled = True
         self.trial = initial_s, chosen_s
         slower = 0.0 < initial_s < chosen_s
         if slower:
             specs, self.plan = self._initial
-            wrapper.reducer = reducer.successor(specs)
-            wrapper.bucket_specs = specs
+            self._adopt(wrapper, reducer, specs, self.plan.cap_mb)
             self.switched_at = step
         if reducer.deadline.rank == 0:
             verdict = "went back to the initial plan" if slower else "kept the chosen plan"
