@@ -269,8 +269,9 @@ def torch_hooks(rank: int, world: int) -> dict[str, Any]:
             opt = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
             try:
                 mlp_steps(ddp, opt, range(6), rank, world)
-            except AssertionError as exc:  # see check_torch_hooks: batched_powerSGD_hook
-                finals[impl] = {"raised": f"AssertionError at {exc.__traceback__ and _last(exc)}"}
+            except (AssertionError, gradsync.UsageError) as exc:  # see check_torch_hooks
+                cause = exc.__cause__ or exc  # gradsync names the hook and bucket around it
+                finals[impl] = {"raised": f"{type(cause).__name__} at {_last(cause)}"}
                 continue
             finals[impl] = params_of(model)
         out[name] = finals
@@ -420,9 +421,10 @@ def check_errors(results: list[dict[str, Any]]) -> None:
         e = r["errors"]
         assert e["bad_compression"].startswith("UsageError"), e
         assert "'bf16', 'fp16'" in e["bad_compression"] and "int8" in e["bad_compression"]
-        assert e["after_forward"].startswith("ProtocolError") and "before the first" in e[
-            "after_forward"
-        ]
+        assert (
+            e["after_forward"].startswith("ProtocolError")
+            and "before the first" in e["after_forward"]
+        )
         assert e["different_hooks"].startswith("UsageError"), e
         assert "rank 0: torch.distributed.algorithms" in e["different_hooks"]
         assert "fp16_compress_hook" in e["different_hooks"]
