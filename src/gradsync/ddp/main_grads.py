@@ -17,9 +17,10 @@ own the gradients (Megatron-LM's ``main_grad`` buffers, its
 - the buckets are reduced in fp32 (or in a wire format, ``compression=``, which still
   accumulates in fp32);
 - after the synchronising backward every parameter used on some rank has ``p.main_grad``, its
-  reduced gradient in fp32 (a view of the bucket: valid until the next forward that starts a
-  new window, which zeroes the buckets), and ``p.grad``, that gradient rounded to the
-  parameter's dtype, for an optimizer that steps the low-precision parameters directly;
+  reduced gradient in fp32 (a view of the bucket: valid until the next training-mode forward,
+  which starts a new window and zeroes the buckets; see [Note: eval forwards keep main
+  gradients]), and ``p.grad``, that gradient rounded to the parameter's dtype, for an
+  optimizer that steps the low-precision parameters directly;
 - :class:`gradsync.optim.MasterWeights` steps fp32 copies of the parameters on ``main_grad``
   and rounds the result back into the model, the usual way to train in bf16.
 
@@ -28,18 +29,40 @@ to the order of the fp32 additions): ``tests/dist/test_main_grads.py`` checks it
 accumulating in bf16 instead is measurably worse.
 
 Not combined (each raises ``UsageError``): ``gradient_as_bucket_view`` (``.grad`` cannot be a
-view of a buffer of another dtype), DTensor parameters, and ``shard_optimizer()``.
+view of a buffer of another dtype), DTensor parameters, and ``shard_optimizer()``. The dtype is
+a floating one that torch adds and reduces in (float16, bfloat16, float32, float64) and that
+every trainable parameter's dtype promotes to: a narrower one would round each gradient as it
+is added, the opposite of the point.
+
+[Note: eval forwards keep main gradients]
+The buckets are zeroed when the first grad-enabled forward after a reduction starts a new
+window. An eval-mode forward with grad enabled between the backward and the optimizer step
+(``model.eval()`` without ``torch.no_grad()``; rank 0 alone, say) starts one too, since its
+backward, if one comes, is reduced into the buckets. Zeroing would then leave the step on zero
+gradients, or only rank 0's, and the replicas drift apart. So such a forward first moves the
+``main_grad`` of the last reduction into a copy, then zeroes the buckets: the step sees the
+reduced gradients whether or not a backward follows, on every rank. A training-mode forward
+zeroes at once: it is the next window's first micro-batch, whose gradients are on their way
+(one run for another purpose, a loss logged without ``torch.no_grad()``, ends ``main_grad``).
+(Zeroing lazily, at the window's first gradient, would avoid the copy; only an eval forward
+with grad enabled pays it, and ``torch.no_grad()`` avoids it.)
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from gradsync.errors import UsageError
 from gradsync.mesh.dtensors import GradLayout
+
+if TYPE_CHECKING:
+    from gradsync.ddp.buckets import Bucket
+
+ACCUMULATING_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 def check_main_grad_dtype(
@@ -52,8 +75,13 @@ def check_main_grad_dtype(
     setting or parameter at fault)."""
     if dtype is None:
         return None
-    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        raise UsageError(f"main_grad_dtype must be a floating-point torch.dtype, got {dtype!r}")
+    allowed = ", ".join(str(d) for d in ACCUMULATING_DTYPES)
+    if dtype not in ACCUMULATING_DTYPES:
+        raise UsageError(
+            f"main_grad_dtype must be a floating-point torch.dtype that gradients are "
+            f"accumulated in ({allowed}), got {dtype!r}"
+        )
+    _check_wide_enough(dtype, module)
     if gradient_as_bucket_view:
         raise UsageError(
             "main_grad_dtype and gradient_as_bucket_view=True cannot be combined: .grad has the "
@@ -66,3 +94,37 @@ def check_main_grad_dtype(
                 f"main_grad_dtype does not support DTensor parameters yet (parameter '{name}')"
             )
     return dtype
+
+
+def _check_wide_enough(dtype: torch.dtype, module: nn.Module) -> None:
+    for name, p in module.named_parameters():
+        if p.requires_grad and torch.promote_types(p.dtype, dtype) != dtype:
+            raise UsageError(
+                f"main_grad_dtype={dtype} is narrower than parameter '{name}' ({p.dtype}): "
+                "use a dtype every parameter's dtype promotes to (torch.float32 for a bf16 "
+                "or fp16 model)"
+            )
+
+
+def start_window(buckets: Sequence[Bucket], training: bool) -> None:
+    """Zero the buckets for a new accumulation window, after moving the last reduction's
+    ``main_grad`` into a copy if the forward is an eval one ([Note: eval forwards keep main
+    gradients])."""
+    if not training:
+        for bucket in buckets:
+            _keep_main_grads(bucket)
+    torch._foreach_zero_([bucket.grads for bucket in buckets])
+
+
+def _keep_main_grads(bucket: Bucket) -> None:
+    """Point every ``main_grad`` that is a view of ``bucket`` at a copy of it: one copy of the
+    bucket's gradients, not one per parameter."""
+    copy = None
+    for slot, param in enumerate(bucket.params):
+        if getattr(param, "main_grad", None) is not bucket.views[slot]:
+            continue  # none yet, or already a copy
+        if copy is None:
+            copy = bucket.grads.clone()
+        offset, view = bucket.spec.offsets[slot], bucket.views[slot]
+        kept = copy[offset : offset + view.numel()].view(view.shape)
+        param.main_grad = kept  # type: ignore[attr-defined]

@@ -33,6 +33,7 @@ from torch.utils.hooks import RemovableHandle
 from gradsync.comm import CommHook
 from gradsync.ddp.buckets import Bucket, BucketSpec
 from gradsync.ddp.deadline import Deadline
+from gradsync.ddp.main_grads import start_window
 from gradsync.ddp.param_watch import ParameterWatch
 from gradsync.ddp.reduction import Reduction
 from gradsync.ddp.results import read_results
@@ -205,7 +206,7 @@ class Reducer:
         ``training`` forwards count in the step tag (eval forwards may run on one rank)."""
         self.check_forward_allowed()
         if self.main_grads and self.phase is _Phase.UNPREPARED:  # a new accumulation window
-            torch._foreach_zero_([bucket.grads for bucket in self.buckets])
+            start_window(self.buckets, training)  # an eval forward keeps main_grad: see there
         self.phase = _Phase.ARMED if sync else _Phase.ACCUMULATING
         self.num_active = self.world_size if num_active is None else num_active
         if training:

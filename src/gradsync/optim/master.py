@@ -6,59 +6,138 @@ forward and backward compute with); this keeps an fp32 copy of each, steps the g
 on those copies with each parameter's fp32 ``main_grad``, and rounds the result into the model.
 Without it an optimizer stepping bf16 parameters loses every update smaller than half a bf16
 step of the weight (e.g. ``lr * update < 2**-9 * |w|``): late in training, most of them.
+
+[Note: parameters written outside the optimizer]
+The fp32 masters are the weights; the model holds their rounding. A parameter written by
+anything else (the wrapper's broadcast of rank 0's weights when a model is wrapped after the
+optimizer was built, ``model.load_state_dict``, a user's ``p.copy_``) would be silently undone
+by the next step, which rounds the stale master into it, and on ranks that started from other
+weights the replicas would drift apart. So the parameter wins: at each :meth:`MasterWeights.step`
+a parameter written since the optimizer last wrote it has its master replaced by its value,
+widened (the optimizer's state, e.g. Adam's moments, is kept, as a torch optimizer keeps it
+when the model is loaded). A write is seen in torch's in-place version counter
+(``p._version``, recorded whenever the optimizer writes the parameter): a check that costs
+nothing per step. Writes through ``.data`` do not bump it, so the first step also compares
+every parameter with the rounding of its master, which catches the wrapper's broadcast. Later
+``.data`` writes go unseen: write parameters in place (``with torch.no_grad(): p.copy_(...)``)
+or build the optimizer anew. Loading the optimizer (:meth:`MasterWeights.load_state_dict`,
+:meth:`MasterWeights.load_named_state_dict`, what :class:`gradsync.checkpoint.Checkpointer`
+calls after ``model.load_state_dict``) writes the saved masters and their rounding into the
+model and records the versions again, so a resume starts from the saved fp32 weights exactly.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 
-from gradsync.errors import CheckpointError
+from gradsync.errors import CheckpointError, UsageError
+
+ParamsT = Iterable[torch.Tensor] | Iterable[dict[str, Any]]
 
 
 class MasterWeights:
     """``optimizer_class(fp32 copies of params, **defaults)``, stepped on ``p.main_grad``.
 
-    A parameter without ``.grad`` after the backward (unused on every rank) is skipped, as a
-    torch optimizer skips it. ``state_dict()`` holds the inner optimizer's state and the fp32
-    weights, so a checkpoint resumes exactly, not from the rounded bf16 ones;
-    :class:`gradsync.checkpoint.Checkpointer` saves it keyed by parameter name
-    (:meth:`named_state_dict`).
+    ``params`` are parameters or parameter groups (dicts with ``"params"`` and per-group
+    options), as for a torch optimizer. A parameter without ``.grad`` after the backward
+    (unused on every rank) is skipped, as a torch optimizer skips it. The gradient is
+    ``p.main_grad`` when the wrapper gives one (in any dtype, cast to the master's), else
+    ``p.grad``. A parameter written outside the optimizer is taken as the new weight: see
+    [Note: parameters written outside the optimizer]. ``state_dict()`` holds the inner
+    optimizer's state and the fp32 weights, so a checkpoint resumes exactly, not from the
+    rounded bf16 ones; :class:`gradsync.checkpoint.Checkpointer` saves it keyed by parameter
+    name (:meth:`named_state_dict`).
     """
 
     def __init__(
         self,
-        params: Iterable[torch.nn.Parameter],
+        params: ParamsT,
         optimizer_class: type[torch.optim.Optimizer],
         **defaults: Any,
     ) -> None:
-        self.params = [p for p in params if p.requires_grad]
-        self.master = [
-            torch.nn.Parameter(p.detach().to(torch.float32, copy=True)) for p in self.params
-        ]
-        self.optimizer = optimizer_class(self.master, **defaults)
+        self.params: list[torch.Tensor] = []
+        self.master: list[torch.nn.Parameter] = []
+        groups = []
+        for group in _param_groups(params):
+            trainable = [p for p in group["params"] if p.requires_grad]
+            master = [
+                torch.nn.Parameter(p.detach().to(torch.float32, copy=True)) for p in trainable
+            ]
+            self.params += trainable
+            self.master += master
+            groups.append({**group, "params": master})
+        if len({id(p) for p in self.params}) != len(self.params):
+            # Two masters of one parameter would each be rounded into it, the last one winning.
+            raise UsageError("MasterWeights: a parameter is listed more than once")
+        self.optimizer = optimizer_class(groups, **defaults)
+        self._versions = self._current_versions()
+        self._values_checked = False  # see [Note: parameters written outside the optimizer]
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
         return self.optimizer.param_groups
 
     @torch.no_grad()
-    def step(self) -> None:
-        stepped_params: list[torch.Tensor] = []
-        stepped_master: list[torch.Tensor] = []
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """Step the masters and round them into the model; returns what ``closure`` returned.
+        The closure (forward and backward, as for a torch optimizer) is passed on to the inner
+        optimizer, which may call it more than once (LBFGS): each call sees the model holding
+        the current masters, and the masters get the gradients it computed."""
+        self._adopt_outside_writes()
+        if closure is None:
+            self._take_grads()
+            loss = self.optimizer.step()
+        else:
+            loss = self.optimizer.step(self._wrap(closure))
+        self._write_model()
+        return loss
+
+    def _wrap(self, closure: Callable[[], Any]) -> Callable[[], Any]:
+        def evaluate() -> Any:
+            self._write_model()  # a repeated call evaluates at the masters moved since
+            with torch.enable_grad():
+                loss = closure()
+            self._take_grads()
+            return loss
+
+        return evaluate
+
+    def _take_grads(self) -> None:
         for p, m in zip(self.params, self.master, strict=True):
             if p.grad is None:
                 m.grad = None
                 continue
             main = getattr(p, "main_grad", None)
-            m.grad = main if main is not None and main.dtype == m.dtype else p.grad.float()
-            stepped_params.append(p)
-            stepped_master.append(m)
-        self.optimizer.step()
-        if stepped_params:
-            torch._foreach_copy_(stepped_params, stepped_master)  # rounds to the model's dtype
+            m.grad = (p.grad if main is None else main).to(m.dtype)
+
+    @torch.no_grad()  # also when called from the closure, which runs with grad enabled
+    def _write_model(self) -> None:
+        """Round the masters that have a gradient into the model, and record the versions."""
+        pairs = [
+            (p, m) for p, m in zip(self.params, self.master, strict=True) if m.grad is not None
+        ]
+        if pairs:
+            torch._foreach_copy_([p for p, _ in pairs], [m for _, m in pairs])  # rounds
+        self._versions = self._current_versions()
+
+    def _current_versions(self) -> list[int]:
+        return [p._version for p in self.params]
+
+    def _adopt_outside_writes(self) -> None:
+        """[Note: parameters written outside the optimizer]: a master whose parameter was
+        written by something else takes the parameter's value."""
+        for p, m, version in zip(self.params, self.master, self._versions, strict=True):
+            if p._version != version:
+                m.copy_(p)
+        if not self._values_checked:  # once: the wrapper's broadcast writes through .data
+            self._values_checked = True
+            for p, m in zip(self.params, self.master, strict=True):
+                changed = (m.to(p.dtype) != p).any()  # no host sync: where() picks on device
+                m.copy_(torch.where(changed, p.to(m.dtype), m))
+        self._versions = self._current_versions()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """The model's ``.grad`` set to ``None`` or zeroed, as a torch optimizer does. The
@@ -109,6 +188,9 @@ class MasterWeights:
                 "the checkpoint's MasterWeights hold other parameters, or in another order, "
                 f"than this one: {saved[:4]}... against {live[:4]}..."
             )
+        masters = state["master"]
+        for m, name in zip(self.master, names, strict=True):
+            _check_saved_master(masters.get(name), m, f"'{name}'")
         index = {name: i for i, name in enumerate(saved)}
         self.optimizer.load_state_dict(
             {
@@ -119,9 +201,7 @@ class MasterWeights:
                 ],
             }
         )
-        for m, p, name in zip(self.master, self.params, names, strict=True):
-            m.copy_(state["master"][name])
-            p.copy_(m)
+        self._load_masters([masters[name] for name in names])
 
     def _names_in_order(self, names: list[str]) -> list[str]:
         by_id = {id(m): name for m, name in zip(self.master, names, strict=True)}
@@ -149,7 +229,63 @@ class MasterWeights:
 
     @torch.no_grad()
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Load what :meth:`state_dict` gave, and round the fp32 weights into the model. The
+        masters are matched by position: the same model and optimizer construction."""
+        masters = list(state["master"])
+        if len(masters) != len(self.master):
+            raise UsageError(
+                f"MasterWeights.load_state_dict: the state holds {len(masters)} master weights, "
+                f"this optimizer {len(self.master)}: it was saved for another model"
+            )
+        for i, (saved, m) in enumerate(zip(masters, self.master, strict=True)):
+            _check_saved_master(saved, m, f"#{i} (in parameter order)")
         self.optimizer.load_state_dict(state["optimizer"])
-        for m, saved, p in zip(self.master, state["master"], self.params, strict=True):
+        self._load_masters(masters)
+
+    def _load_masters(self, masters: list[torch.Tensor]) -> None:
+        """The saved masters and their rounding in the model; the model now holds what the
+        optimizer wrote (see [Note: parameters written outside the optimizer])."""
+        for m, saved, p in zip(self.master, masters, self.params, strict=True):
             m.copy_(saved)
-            p.copy_(saved)
+            p.copy_(m)
+        self._versions = self._current_versions()
+
+
+def _param_groups(params: ParamsT) -> list[dict[str, Any]]:
+    """``params`` as a list of parameter groups, as a torch optimizer reads it."""
+    if isinstance(params, torch.Tensor):
+        raise UsageError(
+            "MasterWeights takes an iterable of parameters or of parameter groups (dicts), as "
+            "a torch optimizer does, not a single tensor"
+        )
+    items: list[Any] = list(params)
+    groups: list[dict[str, Any]]
+    if not any(isinstance(item, dict) for item in items):
+        groups = [{"params": items}]
+    elif all(isinstance(item, dict) and "params" in item for item in items):
+        groups = [dict(item) for item in items]
+    else:
+        raise UsageError(
+            "MasterWeights takes either parameters or parameter groups (dicts, each with a "
+            "'params' entry), not a mix"
+        )
+    for group in groups:
+        ps = group["params"]
+        group["params"] = [ps] if isinstance(ps, torch.Tensor) else list(ps)
+        for p in group["params"]:
+            if not isinstance(p, torch.Tensor):
+                raise UsageError(f"MasterWeights takes parameters (tensors), got a {type(p)}")
+    return groups
+
+
+def _check_saved_master(saved: Any, master: torch.Tensor, what: str) -> None:
+    """Refuse a saved master weight that is missing or of another shape than ``master``'s
+    (copying it would broadcast, or fail halfway through the load)."""
+    if not isinstance(saved, torch.Tensor):
+        raise UsageError(f"MasterWeights: the state has no master weight for parameter {what}")
+    if saved.shape != master.shape:
+        raise UsageError(
+            f"MasterWeights: the saved master weight of parameter {what} has shape "
+            f"{tuple(saved.shape)}, the parameter {tuple(master.shape)}: the state was saved "
+            "for another model"
+        )
