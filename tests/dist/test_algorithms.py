@@ -66,8 +66,9 @@ def _tolerance(x: torch.Tensor, world: int, group: dist.ProcessGroup | None) -> 
 
     Either algorithm adds the N inputs with at most N-1 roundings in some order, so each result
     is within (N-1)*u*S of the exact sum, S = sum over ranks of |x_r| and u = eps/2 the unit
-    roundoff. Two such results differ by at most 2*(N-1)*u*S <= N*eps*S, and that is the tolerance (S computed exactly in
-    float64). It holds for any summation order, so it does not depend on gloo's algorithm.
+    roundoff. Two such results differ by at most 2*(N-1)*u*S <= N*eps*S, and that is the
+    tolerance (S computed exactly in float64). It holds for any summation order, so it does not
+    depend on gloo's algorithm.
     """
     s = x.abs().to(torch.float64)
     dist.all_reduce(s, group=group)
@@ -287,7 +288,7 @@ def test_ring_sends_two_n_minus_one_over_n_of_the_tensor(world: int) -> None:
 def test_user_errors_are_value_errors() -> None:
     for rank, misuse in enumerate(_results(4)):
         msg = misuse["misuse"]["indivisible"]
-        assert "world size 4" in msg and "local_world_size 5" in msg, msg
+        assert "world size 4" in msg and "local_world_size 5" in msg, (rank, msg)
 
 
 @pytest.mark.timeout(300)

@@ -78,7 +78,9 @@ class Job:
 
     def __init__(self, rank: int, world: int, folder: str, width: int = 16, keep: int = 2):
         gen = torch.Generator().manual_seed(0)
-        data = TensorDataset(torch.randn(48, 4, generator=gen), torch.randint(0, 3, (48,), generator=gen))
+        data = TensorDataset(
+            torch.randn(48, 4, generator=gen), torch.randint(0, 3, (48,), generator=gen)
+        )
         self.sampler = DistributedSampler(data, world, rank, shuffle=True, seed=1, drop_last=True)
         self.loader = DataLoader(data, batch_size=4, sampler=self.sampler)
         torch.manual_seed(0)
@@ -321,7 +323,10 @@ def test_training_checkpoints_resume_exactly_and_refuse_what_they_cannot_load(
         # Refused, on every rank, before anything is written.
         assert "different model" in out["other_model"], out["other_model"]
         assert "'model.inp.weight': checkpoint has (16, 4)" in out["other_model"]
-        assert "UsageError" in out["unloadable"] and "state['lr_scheduler']['args']" in out["unloadable"]
+        assert (
+            "UsageError" in out["unloadable"]
+            and "state['lr_scheduler']['args']" in out["unloadable"]
+        )
         assert "accumulation window" in out["mid_window"], out["mid_window"]
         assert out["saved"] == ["step_00000001"]
         assert "saved by 3 ranks, this job has 2" in out["other_world"], out["other_world"]

@@ -210,14 +210,21 @@ def test_desynchronised_steps_raise_at_the_step_naming_the_rank(mistakes: list[d
         mistakes, "skipped_backward", "DesyncError", f"rank(s) [{CULPRIT}]", "2 training forwards"
     )
     _assert_every_rank(
-        mistakes, "no_sync_on_one_rank", "DesyncError", f"rank(s) [{CULPRIT}]", "(1 under no_sync())"
+        mistakes,
+        "no_sync_on_one_rank",
+        "DesyncError",
+        f"rank(s) [{CULPRIT}]",
+        "(1 under no_sync())",
     )
 
 
 @pytest.mark.timeout(300)
 def test_parameter_changes_after_wrapping_are_named_on_every_rank(mistakes: list[dict]) -> None:
     _assert_every_rank(
-        mistakes, "unfrozen", "ParametersChangedError", "'frozen.weight' requires_grad False -> True"
+        mistakes,
+        "unfrozen",
+        "ParametersChangedError",
+        "'frozen.weight' requires_grad False -> True",
     )
     _assert_every_rank(
         mistakes, "frozen", "ParametersChangedError", "'body.weight' requires_grad True -> False"

@@ -140,7 +140,9 @@ def _gpt_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
     for step in range(STEPS):
         g = torch.Generator().manual_seed(300 + step)
         shape = (BATCH, CFG.block_size)
-        out.append((torch.randint(0, 13, shape, generator=g), torch.randint(0, 13, shape, generator=g)))
+        out.append(
+            (torch.randint(0, 13, shape, generator=g), torch.randint(0, 13, shape, generator=g))
+        )
     return out
 
 

@@ -214,4 +214,7 @@ def test_sharded_optimizer_in_the_wrapper_equals_one_process(name: str, tmp_path
     # Every rank ends with the same parameters, bit for bit.
     for result in results[1:]:
         for case in [c[0] for c in CASES]:
-            assert all(torch.equal(result[case]["params"][n], v) for n, v in results[0][case]["params"].items())
+            assert all(
+                torch.equal(result[case]["params"][n], v)
+                for n, v in results[0][case]["params"].items()
+            )
