@@ -2,13 +2,17 @@
 
     python benchmarks/hook_overhead.py                  # CPU, gloo
     python benchmarks/hook_overhead.py --device cuda    # one GPU, NCCL
+    python benchmarks/hook_overhead.py --n-layer 4 --n-embd 512 --batch 4 --compression powersgd
 
 Times forward + backward of the same GPT without a wrapper, under torch's
 DistributedDataParallel and under gradsync's, interleaved round by round in one process (a
 world of one, so every difference is bookkeeping: hooks, bucket copies, the end-of-backward
 callback, the write-back), and prints each wrapper's median overhead over the bare module, per
 step, per parameter (microseconds) and as a share of the step. The issue's target: gradsync's
-overhead at most torch DDP's plus 2 % of the step.
+overhead at most torch DDP's plus 2 % of the step. ``--compression powersgd`` (or ``bf16``) adds
+gradsync with that wire format: with one rank PowerSGD still does all of its arithmetic (the
+rank-r approximation, error feedback), so its row is what that arithmetic costs a step, the part
+of a PowerSGD step that no link speed removes.
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ def main() -> None:
     p.add_argument("--block-size", type=int, default=64)
     p.add_argument("--rounds", type=int, default=30)
     p.add_argument("--steps-per-round", type=int, default=5)
+    p.add_argument("--compression", choices=["bf16", "powersgd"], default=None)
     args = p.parse_args()
     cuda = args.device == "cuda"
     store = os.path.join(tempfile.mkdtemp(), "store")
@@ -60,7 +65,10 @@ def main() -> None:
     y = torch.roll(x, -1, dims=1)
     steps: dict[str, Callable[[], None]] = {}
     models = {}
-    for name in ("bare module", "torch DDP", "gradsync"):
+    names = ["bare module", "torch DDP", "gradsync"]
+    if args.compression is not None:
+        names.append(f"gradsync, compression={args.compression}")
+    for name in names:
         torch.manual_seed(0)
         model = GPT(cfg).to(args.device)
         models[name] = model
@@ -68,15 +76,20 @@ def main() -> None:
             wrapped: torch.nn.Module = model
         elif name == "torch DDP":
             wrapped = TorchDDP(model, device_ids=[0] if cuda else None)
-        else:
+        elif name == "gradsync":
             wrapped = gradsync.DistributedDataParallel(model)
+        else:
+            wire = args.compression
+            compression = gradsync.comm.PowerSGD(4) if wire == "powersgd" else wire
+            wrapped = gradsync.DistributedDataParallel(model, compression=compression)
         steps[name] = make_step(model, wrapped, x, y)
     n_params = sum(1 for p in models["bare module"].parameters())
     n_elems = sum(p.numel() for p in models["bare module"].parameters())
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     times: dict[str, list[float]] = {name: [] for name in steps}
     for r in range(args.rounds + 3):
-        order = list(steps)[r % 3 :] + list(steps)[: r % 3]  # rotate: no variant always first
+        k = r % len(steps)
+        order = list(steps)[k:] + list(steps)[:k]  # rotate: no variant always first
         for name in order:
             sync()
             t0 = time.perf_counter()
