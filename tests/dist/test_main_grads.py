@@ -64,6 +64,21 @@ def reference_grads(model: nn.Module, step: int) -> list[torch.Tensor]:
     return [t / WORLD for t in total]
 
 
+def reference_masters(model: nn.Module, optimizer: type, lr: float) -> list[torch.Tensor]:
+    """One process: fp32 master weights stepped by ``optimizer`` on :func:`reference_grads`
+    and rounded into ``model`` after each step (what ``MasterWeights`` does)."""
+    master = [p.detach().float().clone().requires_grad_(True) for p in model.parameters()]
+    opt = optimizer(master, lr=lr)
+    for step in range(STEPS):
+        for m, g in zip(master, reference_grads(model, step), strict=True):
+            m.grad = g
+        opt.step()
+        with torch.no_grad():
+            for p, m in zip(model.parameters(), master, strict=True):
+                p.copy_(m)
+    return [m.detach() for m in master]
+
+
 def _window(wrapped: nn.Module, step: int, rank: int) -> None:
     for micro in range(MICRO):
         if micro < MICRO - 1:
@@ -158,15 +173,7 @@ def test_main_grads_equal_one_process_accumulating_in_fp32() -> None:
         assert "floating-point" in r["errors"][0] and "gradient_as_bucket_view" in r["errors"][1]
         assert "main_grad_dtype" in r["errors"][2]
     # One process with fp32 master weights and the same fp32-accumulated gradients.
-    master = [p.detach().float().clone().requires_grad_(True) for p in model.parameters()]
-    opt = torch.optim.AdamW(master, lr=1e-2)
-    for step in range(STEPS):
-        for m, g in zip(master, reference_grads(model, step), strict=True):
-            m.grad = g
-        opt.step()
-        with torch.no_grad():
-            for p, m in zip(model.parameters(), master, strict=True):
-                p.copy_(m)
+    master = reference_masters(model, torch.optim.AdamW, 1e-2)
     for r in results:
         for got, m in zip(r["master"], master, strict=True):
             # Adam's update is sign-like: fp32 reorder noise in the gradient moves it ~1e-7.

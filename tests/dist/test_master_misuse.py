@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from test_main_grads import MICRO, STEPS, WORLD, batch, loss_of, make_model, reference_grads
+from test_main_grads import MICRO, STEPS, WORLD, batch, loss_of, make_model, reference_masters
 from torch import nn
 
 import gradsync
@@ -115,17 +115,7 @@ def _run(rank: int, world: int) -> dict[str, Any]:
 
 def _reference_masters(optimizer: str) -> list[torch.Tensor]:
     """One process: fp32 ``optimizer`` on the mean of every rank's micro-batch gradients."""
-    model = make_model()
-    master = [p.detach().float().clone().requires_grad_(True) for p in model.parameters()]
-    opt = getattr(torch.optim, optimizer)(master, lr=LR)
-    for step in range(STEPS):
-        for m, g in zip(master, reference_grads(model, step), strict=True):
-            m.grad = g
-        opt.step()
-        with torch.no_grad():
-            for p, m in zip(model.parameters(), master, strict=True):
-                p.copy_(m)
-    return [m.detach() for m in master]
+    return reference_masters(make_model(), getattr(torch.optim, optimizer), LR)
 
 
 def test_misused_master_weights_train_as_one_process() -> None:

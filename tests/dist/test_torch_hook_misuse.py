@@ -22,6 +22,8 @@ from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
 import gradsync
 from gradsync.testing.spawn import spawn
 
+from toy import outcome
+
 TIMEOUT = 3.0  # the wrapper's deadline: a rank waiting for a failed peer gives up in seconds
 HOOK = "torch.distributed.algorithms.ddp_comm_hooks.default_hooks.allreduce_hook"
 
@@ -38,14 +40,6 @@ def tiny() -> nn.Module:
 def train_step(ddp: nn.Module, rank: int, step: int = 0) -> None:
     x = torch.randn(3, 4, generator=torch.Generator().manual_seed(10 * step + rank))
     ddp(x).square().mean().backward()
-
-
-def outcome(fn: Any) -> str:
-    try:
-        fn()
-    except Exception as exc:  # noqa: BLE001 (the type and message are the result)
-        return f"{type(exc).__name__}: {exc}"
-    return "ok"
 
 
 # -- fix 1: the hook's collectives on gradsync's private group -----------------------------------

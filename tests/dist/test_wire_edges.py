@@ -21,6 +21,8 @@ from gradsync.checkpoint import Checkpointer
 from gradsync.comm import PowerSGD
 from gradsync.testing.spawn import spawn
 
+from toy import outcome
+
 TIMEOUT = 20.0
 GLOBAL = 8
 
@@ -52,14 +54,6 @@ def new_mlp(dtype: torch.dtype = torch.float32) -> Mlp:
 
 def wrap(model: nn.Module, **kw: Any) -> gradsync.DistributedDataParallel:
     return gradsync.DistributedDataParallel(model, timeout=TIMEOUT, **kw)
-
-
-def outcome(fn: Any) -> str:
-    try:
-        fn()
-    except Exception as exc:  # noqa: BLE001 (the type and message are the result)
-        return f"{type(exc).__name__}: {exc}"
-    return "ok"
 
 
 def state_of(model: nn.Module, psgd: PowerSGD) -> dict[str, torch.Tensor]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -148,3 +150,13 @@ def token_loss_sum(model: nn.Module, tokens: torch.Tensor, targets: torch.Tensor
     return F.cross_entropy(
         logits.reshape(-1, VOCAB), targets.reshape(-1), ignore_index=-1, reduction="sum"
     )
+
+
+def outcome(fn: Callable[[], object]) -> str:
+    """What calling ``fn`` did, as text a test can compare across ranks: ``"ok"``, or the
+    type and message of what it raised."""
+    try:
+        fn()
+    except Exception as exc:  # noqa: BLE001 (the type and message are the result)
+        return f"{type(exc).__name__}: {exc}"
+    return "ok"
