@@ -105,10 +105,12 @@ def test_a_change_at_a_switch_raises_parameters_changed(
         (ddp(x).float() - y).pow(2).mean().backward()
 
 
-def _train(cap: Any) -> dict[str, list[Any]]:
+def _train(cap: Any, eval_backward: bool = False) -> dict[str, list[Any]]:
     """Train with ``MasterWeights`` on main gradients; the side branch is left out at the
     switch and at the end of the trial. ``zero_grad(set_to_none=False)`` keeps ``.grad``, so
-    the optimizer steps every parameter on its ``main_grad``."""
+    the optimizer steps every parameter on its ``main_grad``. ``eval_backward``: before those
+    two steps' forwards, an eval-mode forward and backward under ``no_sync()`` adds into the
+    window that the step reduces."""
     model = Branchy()
     ddp = gradsync.DistributedDataParallel(
         model, bucket_cap_mb=cap, main_grad_dtype=torch.float32, find_unused_parameters=True
@@ -118,6 +120,11 @@ def _train(cap: Any) -> dict[str, list[Any]]:
     for step in range(STEPS):
         opt.zero_grad(set_to_none=False)
         x, y = _batch(step)
+        if eval_backward and step in (SWITCH, SETTLE):
+            model.eval()
+            with ddp.no_sync():
+                ddp(x).float().sum().backward()
+            model.train()
         (ddp(x, use_side=step not in (SWITCH, SETTLE)).float() - y).pow(2).mean().backward()
         out["side"].append(model.side.weight.main_grad.clone())  # type: ignore[attr-defined]
         opt.step()
@@ -142,6 +149,18 @@ def test_main_grads_of_unused_parameters_follow_the_switch(
     initial = fixed["cap"][0]
     chosen = [0] * (SETTLE - SWITCH) + ([0] if trial_step_s == 1.0 else [initial]) * 2
     assert auto["cap"] == [initial] * SWITCH + chosen, auto["cap"]
+
+
+@pytest.mark.parametrize("trial_step_s", [1.0, 2.0], ids=["kept", "went back"])
+def test_an_eval_backward_before_a_switch_stays_in_the_window(
+    one_rank: None, forced: Callable[[float], None], trial_step_s: float
+) -> None:
+    """Its gradients are in the retired buckets when the plan switches: they move with it."""
+    fixed = _train("scaled", eval_backward=True)
+    forced(trial_step_s)
+    auto = _train("auto", eval_backward=True)
+    for step in range(STEPS):
+        assert torch.equal(auto["weights"][step], fixed["weights"][step]), f"step {step}"
 
 
 @pytest.fixture(autouse=True)

@@ -29,10 +29,11 @@ exists yet, on every rank at the same point:
    ``ParametersChangedError`` on every rank, naming the parameter, as without ``"auto"``. The
    switch is tried again at the next step boundary.
 3. Switch. A new :class:`Reducer` with the chosen buckets on the same parameter watch, comm hook
-   and reduction; ``num_reductions`` carries on, so step tags and checkpoints continue. Building
-   it retires the old reducer (its hooks are removed; see ``_OWNERS`` in ``reducer.py``). Every
-   ``p.main_grad`` moves to its slot in the new buckets (``move_main_grads``), and the wrapper's
-   ``bucket_cap_mb`` becomes the cap the new buckets were planned with.
+   and reduction (``succession.py``): ``num_reductions`` carries on, so step tags and
+   checkpoints continue, and so does a window that an eval forward with grad opened before
+   this training forward (its gradients are part of this step). Building it retires the old
+   reducer. Every ``p.main_grad`` moves to its slot in the new buckets (``move_main_grads``),
+   and the wrapper's ``bucket_cap_mb`` becomes the cap the new buckets were planned with.
 4. Keep it only if it is faster. The cost model times collectives on an idle machine; during a
    backward on a CPU the same collectives compete with it for the cores (gloo adds and copies
    on the CPU, and so does the kernel's network stack), which no fit of idle timings sees: on
@@ -78,6 +79,7 @@ from gradsync.ddp.autoplan import (
 from gradsync.ddp.buckets import BucketSpec, check_cap, grad_bytes
 from gradsync.ddp.deadline import Deadline
 from gradsync.ddp.reducer import Reducer, _Phase
+from gradsync.ddp.succession import successor
 from gradsync.errors import UsageError
 
 logger = logging.getLogger("gradsync")
@@ -137,8 +139,12 @@ def move_main_grads(old: Reducer, new: Reducer) -> None:
     The reduction writes ``main_grad`` only for parameters used on some rank; one unused on
     every rank keeps the view it had. Left in the retired buckets, which no forward zeroes any
     more, it would hold an old step's gradient for an optimizer to step on, where the fixed
-    plan (and one process) gives zeros. Requires the same parameters in both reducers."""
-    if not new.main_grads:
+    plan (and one process) gives zeros. Requires the same parameters in both reducers.
+
+    Nothing to move if ``new`` continues a window an eval forward began: ``main_grad`` then
+    holds a copy of the last reduction, not a view of the buckets ([Note: eval forwards keep
+    main gradients]), and ``successor`` carried the window's gradients over."""
+    if not new.main_grads or new.phase is not _Phase.UNPREPARED:
         return
     assert list(map(id, new.params)) == list(map(id, old.params)), "parameters changed"
     for index, param in enumerate(new.params):
@@ -300,7 +306,7 @@ class AutoBuckets:
         wrapper: Any, reducer: Reducer, specs: list[BucketSpec], cap_mb: float | None
     ) -> None:
         """Give ``wrapper`` a reducer with ``specs``, planned with ``cap_mb``, from this step on."""
-        new = wrapper.reducer = reducer.successor(specs)
+        new = wrapper.reducer = successor(reducer, specs)
         wrapper.bucket_specs = specs
         wrapper.bucket_cap_mb = cap_mb  # the cap the buckets in use were planned with
         move_main_grads(reducer, new)

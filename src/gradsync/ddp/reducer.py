@@ -153,27 +153,6 @@ class Reducer:
             for i, p in enumerate(self.params)
         ]
 
-    def successor(
-        self,
-        specs: Sequence[BucketSpec],
-        *,
-        comm_hook: CommHook | None = None,
-        sharding: GradientShards | None = None,
-    ) -> Reducer:
-        """A reducer of the same parameters, watch, reduction and options with other buckets
-        (and comm hook or sharding, if given) that continues this one's step count. Building
-        it retires this one (see ``_OWNERS``); call it only between optimizer steps."""
-        hook = self.comm_hook if comm_hook is None else comm_hook
-        new = Reducer(
-            self.watch, specs, deadline=self.deadline, comm_hook=hook,
-            reduction=self.reduction, find_unused_parameters=self.find_unused_parameters,
-            gradient_as_bucket_view=self.gradient_as_bucket_view,
-            check_finite=self.check_finite, layouts=self.layouts, sharding=sharding,
-            main_grads=self.main_grads,
-        )  # fmt: skip
-        new.num_reductions = self.num_reductions  # the same watch: step tags continue
-        return new
-
     def resume_from(self, num_reductions: int) -> None:
         """Continue the step count of a checkpoint whose parameters were loaded on every rank."""
         self.num_reductions = num_reductions

@@ -39,6 +39,7 @@ from gradsync.comm.hook import BucketLike, tail
 from gradsync.comm.ring import Ring, RingRunner, group_ring
 from gradsync.comm.worker import SerialWorker
 from gradsync.ddp.deadline import Deadline
+from gradsync.ddp.succession import successor
 from gradsync.errors import ProtocolError, UsageError
 from gradsync.optim.sharded import ShardedOptimizer
 
@@ -219,6 +220,6 @@ def attach_sharded_optimizer(
     shards = GradientShards(opt, deadline, wrapper.module)
     old.watch.count_updates = shards.updates  # each rank steps a different number of slices
     old.watch.rebase()
-    wrapper.reducer = old.successor(wrapper.bucket_specs, comm_hook=shards.hook, sharding=shards)
+    wrapper.reducer = successor(old, wrapper.bucket_specs, comm_hook=shards.hook, sharding=shards)
     shards.hook.bind(wrapper.reducer.buckets, opt)
     return opt
