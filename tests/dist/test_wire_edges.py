@@ -1,6 +1,6 @@
 """Compressed wires at the edges (real gloo ranks, one spawn): PowerSGD's state across a
-skipped NaN step, a parameter unused on every rank, fp32 main gradients, a second model and
-loads that do not fit; an fp16 wire that overflows.
+skipped NaN step, a parameter unused on every rank, fp32 main gradients, a second model,
+loads that do not fit and one loaded on one rank only; an fp16 wire that overflows.
 
 Each case checks what the user is promised: skipping a refused step skips it for PowerSGD
 too (bit for bit the run that never had that step), an unused parameter's error feedback is
@@ -137,6 +137,12 @@ def bad_loads(rank: int, folder: str) -> dict[str, str]:
     out["powersgd_into_exact"] = outcome(lambda: exact.load_sync_state_dict(saved))
     Checkpointer(folder, model=ddp).save(1)
     out["checkpoint_into_exact"] = outcome(lambda: Checkpointer(folder, model=exact).load())
+    # A state loaded on rank 0 alone (the PowerSGD object directly, no collective), then the
+    # model wrapped again: refused on every rank, not P = M Q summed over different Q.
+    F.mse_loss(ddp(x), y).backward()
+    if rank == 0:
+        psgd.load_state_dict(saved["comm"], rank)
+    out["one_rank_load"] = outcome(lambda: wrap(model, compression=psgd))
     return out
 
 
@@ -191,6 +197,10 @@ def test_wire_edges(tmp_path: Path) -> None:
         assert "holds compression state" in e["powersgd_into_exact"]
         assert e["checkpoint_into_exact"].startswith("CheckpointError")
         assert "'gradsync.comm." in e["checkpoint_into_exact"]
+        assert e["one_rank_load"].startswith("ModelMismatchError"), e["one_rank_load"]
+        assert "'compression state (load it on every rank)'" in e["one_rank_load"]
+        assert "rank 0 has 'step 1, Q of 3 matrices" in e["one_rank_load"]
+        assert "rank 1 has 'step 2, Q of 3 matrices" in e["one_rank_load"]
 
         # 80000 on each rank, 40000 after the mean's pre-division, 80000 summed: inf in fp16.
         overflow = r["fp16_overflow"]

@@ -87,6 +87,17 @@ class PowerSGD:
             f"start_iter={self.start_iter}, seed={self.seed})"
         )
 
+    def fingerprint(self) -> str:
+        """The state every rank must hold alike (``step`` and each ``Q``), compared across ranks
+        when a model is wrapped: a state loaded on one rank only would run different
+        collectives (``start_iter``) or sum ``P = M Q`` over different ``Q`` (garbage)."""
+        crc = 0
+        for name in sorted(self.q):
+            crc = zlib.crc32(name.encode(), crc)
+            raw = self.q[name].detach().cpu().contiguous().view(-1).view(torch.uint8)
+            crc = zlib.crc32(raw.numpy().tobytes(), crc)
+        return f"step {self.step}, Q of {len(self.q)} matrices (crc32 {crc:08x})"
+
     def matrix_shape(self, shape: torch.Size) -> tuple[int, int] | None:
         """``(n, m)`` of a gradient of ``shape`` if it is compressed, else ``None``."""
         if len(shape) < 2 or shape.numel() == 0:

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from gradsync.comm import AllReduceAlgorithm, get_algorithm, torch_hooks
+from gradsync.comm import AllReduceAlgorithm, PowerSGD, get_algorithm, torch_hooks
 from gradsync.comm.formats import Compression, describe_compression, make_comm_hook, wire_bytes
 from gradsync.ddp import buckets
 from gradsync.ddp.autoplan import BucketPlan
@@ -145,6 +145,8 @@ class DistributedDataParallel(nn.Module):
             "check_replicas_every": check_replicas_every,
             "device_mesh": axis_names(device_mesh), "main_grad_dtype": str(main_grad_dtype),
         }  # fmt: skip
+        if isinstance(compression, PowerSGD):  # loaded on one rank only? (its fingerprint)
+            settings["compression state (load it on every rank)"] = compression.fingerprint()
         self._make_replicas_equal(settings)
         self.reducer = self._build_reducer(
             bucket_cap_mb, first_bucket_cap_mb,
