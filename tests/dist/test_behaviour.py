@@ -174,6 +174,12 @@ def _errors(rank: int, world: int) -> dict:
     out["first_nan"] = error_text(
         lambda: gradsync.DistributedDataParallel(toy.Net(), first_bucket_cap_mb=float("nan"))
     )
+    # A parameter frozen on one rank after wrapping: shard_optimizer() refuses on every rank.
+    model = toy.Net()
+    ddp = gradsync.DistributedDataParallel(model)
+    if rank == 1:
+        model.body.weight.requires_grad_(False)
+    out["shard_changed"] = error_text(lambda: ddp.shard_optimizer(torch.optim.SGD, lr=0.1))
     # 2. Unused on every rank, find_unused_parameters=False: the same step raises everywhere.
     ddp = gradsync.DistributedDataParallel(toy.make_model("unused", 0))
     batch = toy.shard(toy.global_batch(0), rank, world)
@@ -211,6 +217,8 @@ def test_errors_are_raised_on_every_rank() -> None:
             "rank 0: first_bucket_cap_mb must be a finite number >= 0 or None, got nan"
             in (out["first_nan"])
         ), out
+        assert out["shard_changed"].startswith("ParametersChangedError"), out
+        assert "rank 1: 'body.weight' requires_grad True -> False)" in out["shard_changed"], out
         assert out["unused_all"].startswith("UnusedParametersError"), out
         for r in range(world):  # unused everywhere: every rank is named with the parameter
             assert f"rank {r}: ['unused.weight', 'unused.bias']" in out["unused_all"]

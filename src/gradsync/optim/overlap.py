@@ -40,7 +40,7 @@ from gradsync.comm.ring import Ring, RingRunner, group_ring
 from gradsync.comm.worker import SerialWorker
 from gradsync.ddp.deadline import Deadline
 from gradsync.ddp.succession import successor
-from gradsync.errors import ProtocolError, UsageError
+from gradsync.errors import ParametersChangedError, ProtocolError, UsageError
 from gradsync.optim.sharded import ShardedOptimizer
 
 
@@ -213,6 +213,7 @@ def attach_sharded_optimizer(
         raise UsageError(f"shard_optimizer() does not support {bad} yet")
     params = old.params
     deadline = wrapper._deadline
+    _refuse_changed_parameters(old.watch.changes(), deadline)
     buckets = [[params[i] for i in spec.param_indices] for spec in wrapper.bucket_specs]
     opt = ShardedOptimizer(
         params, optimizer_class, process_group=deadline.group, buckets=buckets, **defaults
@@ -223,3 +224,23 @@ def attach_sharded_optimizer(
     wrapper.reducer = successor(old, wrapper.bucket_specs, comm_hook=shards.hook, sharding=shards)
     shards.hook.bind(wrapper.reducer.buckets, opt)
     return opt
+
+
+def _refuse_changed_parameters(changes: list[str], deadline: Deadline) -> None:
+    """Raise on every rank if the parameter set changed since wrapping on some rank: the
+    shards are cut from the wrapping-time buckets, and ``requires_grad`` flipped on one rank
+    would build an optimizer that the others do not have (a collective: one gather)."""
+    what = "the parameter check of shard_optimizer()"
+    deadline.begin(what)
+    found = [
+        f"rank {r}: {', '.join(c)}"
+        for r, c in enumerate(deadline.gather_objects(changes, what))
+        if c
+    ]
+    if found:
+        raise ParametersChangedError(
+            "shard_optimizer(): the module's parameters changed after it was wrapped ("
+            + "; ".join(found)
+            + "), and its shards are cut from the buckets planned at wrapping. Make such "
+            "changes before wrapping, or wrap again after them on every rank"
+        )
