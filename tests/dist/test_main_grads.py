@@ -64,14 +64,19 @@ def reference_grads(model: nn.Module, step: int) -> list[torch.Tensor]:
     return [t / WORLD for t in total]
 
 
-def reference_masters(model: nn.Module, optimizer: type, lr: float) -> list[torch.Tensor]:
+def reference_masters(
+    model: nn.Module, optimizer: type, lr: float, clip: float = 0.0
+) -> list[torch.Tensor]:
     """One process: fp32 master weights stepped by ``optimizer`` on :func:`reference_grads`
-    and rounded into ``model`` after each step (what ``MasterWeights`` does)."""
+    (clipped to norm ``clip`` by torch if nonzero) and rounded into ``model`` after each step
+    (what ``MasterWeights`` does)."""
     master = [p.detach().float().clone().requires_grad_(True) for p in model.parameters()]
     opt = optimizer(master, lr=lr)
     for step in range(STEPS):
         for m, g in zip(master, reference_grads(model, step), strict=True):
             m.grad = g
+        if clip:
+            torch.nn.utils.clip_grad_norm_(master, clip)
         opt.step()
         with torch.no_grad():
             for p, m in zip(model.parameters(), master, strict=True):

@@ -4,9 +4,10 @@ Multi-rank cases run in one 2-rank gloo spawn and are each compared with one pro
 on the concatenated batch ([Note: main gradients], ``test_main_grads.py``): the optimizer built
 before the model is wrapped on ranks initialised differently, the model loaded after the
 optimizer was built, eval forwards with grad enabled between the backward and the step (on
-rank 0 alone, on every rank, and eval-mode training), float64 main gradients, and refused
-main-gradient dtypes. The one-process cases (parameter groups, closures, loads that do not
-fit, outside writes) run in the test process.
+rank 0 alone, on every rank, and eval-mode training), float64 main gradients, clipping with
+``opt.clip_grad_norm_``, and refused main-gradient dtypes and clipping of ``.grad`` alone. The
+one-process cases (parameter groups, closures, loads that do not fit, outside writes) run in
+the test process.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from gradsync.testing.spawn import spawn
 
 TIMEOUT = 20.0
 LR = 1e-2
+CLIP = 0.05  # well below these gradients' norm: every step is clipped
 
 
 def _train(
@@ -35,13 +37,16 @@ def _train(
     eval_forward: str = "",
     main_grad_dtype: torch.dtype = torch.float32,
     optimizer: str = "AdamW",
+    clip: str = "",
 ) -> list[torch.Tensor]:
     """``STEPS`` steps of ``MICRO`` micro-batches with fp32 master weights; the masters.
 
     ``build``: "wrap first" (the documented order); "opt first": the optimizer built before
     wrapping, on rank-specific weights that the wrapper's broadcast replaces; "load": built on
     other weights, then the model loaded; "load after a step": the same after one step (SGD:
-    no state but the masters)."""
+    no state but the masters). ``clip``: "opt" clips to norm ``CLIP`` with
+    ``opt.clip_grad_norm_``, "torch" with ``torch.nn.utils.clip_grad_norm_`` (``.grad``
+    only: refused)."""
     model = make_model()
     with torch.no_grad():
         for p in model.parameters():
@@ -63,6 +68,10 @@ def _train(
             ddp.eval()  # an evaluation that forgot torch.no_grad()
             ddp(batch(0, 0, 0)[0])
             ddp.train()
+        if clip == "opt":
+            opt.clip_grad_norm_(CLIP)
+        elif clip == "torch":
+            torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
         opt.step()
     ddp.check_replicas()
     return [m.detach().clone() for m in opt.master]
@@ -98,6 +107,7 @@ CASES: dict[str, dict[str, Any]] = {
     "eval on all ranks": {"eval_forward": "all ranks"},
     "eval-mode training": {"eval_forward": "training"},
     "float64 main grads": {"main_grad_dtype": torch.float64},
+    "clipped": {"clip": "opt", "optimizer": "SGD"},  # SGD: the clipping moves every update
 }
 
 
@@ -110,25 +120,36 @@ def _run(rank: int, world: int) -> dict[str, Any]:
             out[case] = _train(rank, **kwargs)
         except ReplicaMismatchError as exc:
             out[case] = str(exc)
+    try:
+        _train(rank, clip="torch")
+        out["torch's clip"] = "no error"
+    except UsageError as exc:  # in opt.step(), on every rank alike
+        out["torch's clip"] = str(exc)
     return {"masters": out, "refused": _refusals()}
 
 
-def _reference_masters(optimizer: str) -> list[torch.Tensor]:
+def _reference_masters(optimizer: str, clip: float = 0.0) -> list[torch.Tensor]:
     """One process: fp32 ``optimizer`` on the mean of every rank's micro-batch gradients."""
-    return reference_masters(make_model(), getattr(torch.optim, optimizer), LR)
+    return reference_masters(make_model(), getattr(torch.optim, optimizer), LR, clip)
 
 
 def test_misused_master_weights_train_as_one_process() -> None:
     results = spawn(_run, WORLD)
     want = {name: _reference_masters(name) for name in ("AdamW", "SGD")}
+    want["clipped"] = _reference_masters("SGD", CLIP)
     for rank, out in enumerate(results):
+        torch_clip = out["masters"].pop("torch's clip")
+        assert torch_clip.startswith("gradsync: MasterWeights: the .grad of parameter #0"), (
+            torch_clip
+        )
+        assert "opt.clip_grad_norm_(max_norm)" in torch_clip, torch_clip
         refused = out["refused"]
         assert set(refused) == {"torch.float8_e4m3fn", "torch.float16"}, (rank, refused)
         assert "main_grad_dtype" in refused["torch.float8_e4m3fn"], refused
         assert "narrower than parameter '0.weight'" in refused["torch.float16"], refused
         off = {}
         for case, got in out["masters"].items():
-            ref = want[CASES[case].get("optimizer", "AdamW")]
+            ref = want["clipped" if case == "clipped" else CASES[case].get("optimizer", "AdamW")]
             pairs = zip(got, ref, strict=True) if isinstance(got, list) else None
             off[case] = got if pairs is None else max((g - w).abs().max().item() for g, w in pairs)
         print(f"rank {rank}: largest difference from one process: {off}")
@@ -266,3 +287,16 @@ def test_main_grad_of_any_dtype_is_the_gradient() -> None:
     opt.step()
     for m, s, main in zip(opt.master, start, mains, strict=True):
         assert torch.equal(m, s - main.float())
+
+
+def test_clip_grad_norm_without_main_grad_clips_grad_as_torch() -> None:
+    ours, theirs = _fp32_model(), _fp32_model()
+    opt = MasterWeights(ours.parameters(), torch.optim.SGD, lr=0.1)
+    for model in (ours, theirs):
+        _fp32_loss(model, 0).backward()
+    norm = opt.clip_grad_norm_(0.1)
+    torch_norm = torch.nn.utils.clip_grad_norm_(theirs.parameters(), 0.1)
+    assert norm > 0.1 and torch.allclose(norm, torch_norm, rtol=1e-6)
+    for a, b in zip(ours.parameters(), theirs.parameters(), strict=True):
+        assert a.grad is not None and b.grad is not None
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-6, atol=0.0)

@@ -41,6 +41,13 @@ def describe_compression(compression: Compression) -> str:
     )
 
 
+def describe_compression_state(compression: Compression) -> str | None:
+    """What every rank's ``compression`` must hold alike (compared across ranks when a model is
+    wrapped): PowerSGD's step count and Q matrices (:meth:`PowerSGD.fingerprint`); ``None``
+    for the stateless formats."""
+    return compression.fingerprint() if isinstance(compression, PowerSGD) else None
+
+
 def wire_bytes(
     compression: Compression,
     named_params: Sequence[tuple[str, torch.Tensor]],

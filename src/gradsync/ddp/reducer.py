@@ -33,7 +33,7 @@ from torch.utils.hooks import RemovableHandle
 from gradsync.comm import CommHook
 from gradsync.ddp.buckets import Bucket, BucketSpec
 from gradsync.ddp.deadline import Deadline
-from gradsync.ddp.main_grads import start_window
+from gradsync.ddp.main_grads import stamp_grads, start_window
 from gradsync.ddp.param_watch import ParameterWatch
 from gradsync.ddp.reduction import Reduction
 from gradsync.ddp.results import read_results
@@ -374,3 +374,5 @@ class Reducer:
         copies = [c for b, n in zip(self.buckets, counts, strict=True) for c in b.results(n, view)]
         if copies:  # one call instead of one per parameter
             torch._foreach_copy_([dst for dst, _ in copies], [src for _, src in copies])
+        if self.main_grads:
+            stamp_grads(self.params)  # [Note: clipping main gradients]

@@ -17,8 +17,14 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from gradsync.comm import AllReduceAlgorithm, PowerSGD, get_algorithm, torch_hooks
-from gradsync.comm.formats import Compression, describe_compression, make_comm_hook, wire_bytes
+from gradsync.comm import AllReduceAlgorithm, get_algorithm, torch_hooks
+from gradsync.comm.formats import (
+    Compression,
+    describe_compression,
+    describe_compression_state,
+    make_comm_hook,
+    wire_bytes,
+)
 from gradsync.ddp import buckets
 from gradsync.ddp.autoplan import BucketPlan
 from gradsync.ddp.autotune import AutoBuckets
@@ -144,9 +150,8 @@ class DistributedDataParallel(nn.Module):
             "compression": self._compression_name, "check_finite": check_finite,
             "check_replicas_every": check_replicas_every,
             "device_mesh": axis_names(device_mesh), "main_grad_dtype": str(main_grad_dtype),
+            "compression state (load it on every rank)": describe_compression_state(compression),
         }  # fmt: skip
-        if isinstance(compression, PowerSGD):  # loaded on one rank only? (its fingerprint)
-            settings["compression state (load it on every rank)"] = compression.fingerprint()
         self._make_replicas_equal(settings)
         self.reducer = self._build_reducer(
             bucket_cap_mb, first_bucket_cap_mb,

@@ -33,7 +33,9 @@ from typing import Any
 
 import torch
 
+from gradsync.ddp.main_grads import grad_changed, stamp_grads
 from gradsync.errors import CheckpointError, UsageError
+from gradsync.optim import clip
 
 ParamsT = Iterable[torch.Tensor] | Iterable[dict[str, Any]]
 
@@ -106,12 +108,36 @@ class MasterWeights:
         return evaluate
 
     def _take_grads(self) -> None:
-        for p, m in zip(self.params, self.master, strict=True):
+        for index, (p, m) in enumerate(zip(self.params, self.master, strict=True)):
             if p.grad is None:
                 m.grad = None
                 continue
-            main = getattr(p, "main_grad", None)
-            m.grad = (p.grad if main is None else main).to(m.dtype)
+            if grad_changed(p) and getattr(p, "main_grad", None) is not None:
+                raise UsageError(
+                    f"MasterWeights: the .grad of parameter #{index} (shape "
+                    f"{tuple(p.shape)}) was changed after the backward, e.g. by "
+                    "torch.nn.utils.clip_grad_norm_(model.parameters(), ...); this optimizer "
+                    "steps on p.main_grad, so that change would be ignored. Clip with "
+                    "opt.clip_grad_norm_(max_norm), which clips main_grad, or change "
+                    "p.main_grad itself"
+                )  # [Note: clipping main gradients]
+            m.grad = _gradient(p).to(m.dtype)
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the gradients the next :meth:`step` uses (``main_grad`` where the wrapper gives
+        one, else ``.grad``) by their total norm, as ``torch.nn.utils.clip_grad_norm_`` clips
+        ``.grad``; a ``.grad`` next to a ``main_grad`` is scaled alike. Returns the total norm
+        (replicated gradients: every rank computes the same one)."""
+        have = [p for p in self.params if p.grad is not None]
+        stepped = [_gradient(p) for p in have]
+        total = clip.total_norm(stepped, norm_type)
+        alike = [
+            p.grad for p in have if p.grad is not None and getattr(p, "main_grad", None) is not None
+        ]
+        clip.clip_grads_with_norm_(stepped + alike, max_norm, total)
+        stamp_grads(have)
+        return total
 
     @torch.no_grad()  # also when called from the closure, which runs with grad enabled
     def _write_model(self) -> None:
@@ -289,3 +315,10 @@ def _check_saved_master(saved: Any, master: torch.Tensor, what: str) -> None:
             f"{tuple(saved.shape)}, the parameter {tuple(master.shape)}: the state was saved "
             "for another model"
         )
+
+
+def _gradient(param: torch.Tensor) -> torch.Tensor:
+    """What the optimizer steps on: ``main_grad`` when the wrapper gives one, else ``.grad``."""
+    main = getattr(param, "main_grad", None)
+    assert param.grad is not None
+    return param.grad if main is None else main
