@@ -196,10 +196,18 @@ def no_sync_and_rewrap(rank: int, world: int) -> dict[str, Any]:
     }
 
 
-def checkpoint_resume(rank: int, world: int, folder: str) -> dict[str, Any]:
+def checkpoint_resume(rank: int, world: int, folder: str, torch_hook: bool) -> dict[str, Any]:
+    """8 steps, against 4, a checkpoint, a fresh process's objects, its load and 4 more:
+    gradsync's PowerSGD, or torch's ``powerSGD_hook`` through ``register_comm_hook``."""
+
     def build(seed: int) -> tuple[Mlp, gradsync.DistributedDataParallel, torch.optim.Optimizer]:
         model = new_mlp(seed)
-        ddp = wrap(model, compression=PowerSGD(2, seed=5))
+        if torch_hook:
+            ddp = wrap(model)
+            state = psgd.PowerSGDState(None, matrix_approximation_rank=1, start_powerSGD_iter=2)
+            ddp.register_comm_hook(state, psgd.powerSGD_hook)
+        else:
+            ddp = wrap(model, compression=PowerSGD(2, seed=5))
         return model, ddp, torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
 
     model, ddp, opt = build(0)
@@ -211,7 +219,15 @@ def checkpoint_resume(rank: int, world: int, folder: str) -> dict[str, Any]:
     model, ddp, opt = build(1)  # a fresh model, hook state and optimizer
     assert Checkpointer(folder, model=ddp, optimizer=opt).load() == 4
     mlp_steps(ddp, opt, range(4, 8), rank, world)
-    return {"uninterrupted": uninterrupted, "resumed": params_of(model)}
+    out = {"uninterrupted": uninterrupted, "resumed": params_of(model)}
+    if torch_hook:  # loads that do not fit: refused on every rank, naming why
+        other = wrap(new_mlp(1), bucket_cap_mb=0)  # one bucket per parameter
+        state = psgd.PowerSGDState(None, matrix_approximation_rank=1, start_powerSGD_iter=2)
+        other.register_comm_hook(state, psgd.powerSGD_hook)
+        out["other_plan"] = toy.outcome(lambda: Checkpointer(folder, model=other).load())
+        plain = wrap(new_mlp(1))
+        out["no_hook"] = toy.outcome(lambda: Checkpointer(folder, model=plain).load())
+    return out
 
 
 def bf16_hook(state, bucket):  # type: ignore[no-untyped-def]
@@ -317,7 +333,8 @@ def grid(rank: int, world: int, folder: str) -> dict[str, Any]:
     if world == 2:  # what does not depend on the world size runs once
         out["error_feedback"] = error_feedback(rank, world)
         out["no_sync_and_rewrap"] = no_sync_and_rewrap(rank, world)
-        out["checkpoint"] = checkpoint_resume(rank, world, folder)
+        out["checkpoint"] = checkpoint_resume(rank, world, folder + "/gradsync", False)
+        out["torch_checkpoint"] = checkpoint_resume(rank, world, folder + "/torch", True)
         out["torch_hooks"] = torch_hooks(rank, world)
         out["errors"] = errors(rank, world)
     return out
@@ -395,9 +412,16 @@ def check_state_kept(results: list[dict[str, Any]], world: int) -> None:
     assert max_diff(runs["plain"], runs["rewrap_same"]) < tol
     # Losing the state (a fresh PowerSGD at the re-wrap) changes training far beyond that.
     assert max_diff(runs["plain"], runs["rewrap_fresh"]) > 100 * tol
-    ck = results[0]["checkpoint"]
-    for k in ck["uninterrupted"]:  # resumed from a checkpoint: bit-identical
-        assert torch.equal(ck["uninterrupted"][k], ck["resumed"][k]), k
+    for r in results:  # resumed from a checkpoint: bit-identical, torch's PowerSGDState too
+        for case in ("checkpoint", "torch_checkpoint"):
+            ck = r[case]
+            for k in ck["uninterrupted"]:
+                assert torch.equal(ck["uninterrupted"][k], ck["resumed"][k]), (case, k)
+        refused = r["torch_checkpoint"]
+        assert "error buffer of" in refused["other_plan"], refused["other_plan"]
+        assert "another model or bucket plan" in refused["other_plan"], refused["other_plan"]
+        assert refused["no_hook"].startswith("CheckpointError"), refused["no_hook"]
+        assert "'gradsync.comm.torch_hook.iter' is in the checkpoint" in refused["no_hook"]
 
 
 def check_torch_hooks(results: list[dict[str, Any]]) -> None:

@@ -13,6 +13,7 @@ rank.<r>      what belongs to rank r alone: its RNG states and its sampler posit
 from __future__ import annotations
 
 import copy
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -171,10 +172,13 @@ def mismatches(template: dict[str, Any], metadata: Metadata) -> list[str]:
     return lines[:12] + ([f"... {len(lines) - 12} more"] if len(lines) > 12 else [])
 
 
+_OTHER_RANKS = re.compile(r"\.rank\d+(\.|$)")  # PowerSGD's error.rank<r>, torch_hook.rank<r>
+
+
 def _extra(key: str, flat: dict[str, Any]) -> bool:
     """A saved key that loading would drop: the model's, or the compression state's (a
     PowerSGD checkpoint resumed without PowerSGD would lose its error feedback); the other
-    ranks' PowerSGD error buffers belong to them."""
-    if key in flat or ".error.rank" in key:
+    ranks' own compression state (PowerSGD's error buffers) belongs to them."""
+    if key in flat or (key.startswith("gradsync.comm.") and _OTHER_RANKS.search(key)):
         return False
     return key.startswith(("model.", "gradsync.comm."))

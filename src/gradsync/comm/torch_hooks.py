@@ -2,12 +2,9 @@
 
 A hook of ``torch.distributed.algorithms.ddp_comm_hooks`` (``allreduce_hook``,
 ``fp16_compress_hook``, ``powerSGD_hook``, ...) is ``hook(state, bucket) -> Future[Tensor]``,
-where ``bucket`` is a ``dist.GradBucket``. torch 2.13 gives ``GradBucket`` no Python
-constructor, so :class:`GradBucketView` is a duck type with the same methods and meanings:
-``buffer()`` is the flat gradients (without gradsync's used flags and step tags, which the
-adapter sums exactly in a separate small all-reduce), ``gradients()`` views of the current
-buffer shaped like ``parameters()``, ``set_buffer()`` replaces it, ``index()`` and
-``is_last()`` number the buckets in launch order.
+where ``bucket`` is a ``dist.GradBucket``, here a :class:`GradBucketView` (``grad_bucket.py``)
+of the bucket's gradients, without gradsync's used flags and step tags, which the adapter sums
+exactly in a separate small all-reduce.
 
 As in torch DDP, the hook receives undivided gradients and averages them itself over its
 process group, which must be the wrapper's: the reduction multiplies its pre-division by the
@@ -38,7 +35,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from gradsync.comm import torch_hook_state
 from gradsync.comm.algorithm import Handle
+from gradsync.comm.grad_bucket import GradBucketView
 from gradsync.comm.hook import BucketLike, CommHook, tail
 from gradsync.comm.worker import SerialWorker
 from gradsync.errors import GradsyncError, ProtocolError, UsageError
@@ -51,58 +50,39 @@ if TYPE_CHECKING:
 _BACKEND_FAILURE_MARKS = ("gloo", "NCCL", "Connection closed by peer", "Connection reset by peer")
 
 
-class GradBucketView:
-    """Stands in for ``torch.distributed.GradBucket`` (same methods, same meanings)."""
-
-    def __init__(
-        self, index: int, num_buckets: int, buffer: torch.Tensor, params: Sequence[torch.Tensor]
-    ) -> None:
-        self._index = index
-        self._is_last = index == num_buckets - 1
-        self._buffer = buffer
-        self._params = list(params)
-
-    def index(self) -> int:
-        return self._index
-
-    def is_last(self) -> bool:
-        return self._is_last
-
-    def buffer(self) -> torch.Tensor:
-        return self._buffer
-
-    def set_buffer(self, buffer: torch.Tensor) -> None:
-        self._buffer = buffer
-
-    def parameters(self) -> list[torch.Tensor]:
-        return list(self._params)
-
-    def gradients(self) -> list[torch.Tensor]:
-        """Views of the current buffer, one per parameter, shaped like it."""
-        views, offset = [], 0
-        for p in self._params:
-            views.append(self._buffer[offset : offset + p.numel()].view(p.shape))
-            offset += p.numel()
-        return views
-
-
 class TorchHookAdapter(CommHook):
     """Runs ``hook(state, bucket)`` for each of gradsync's buckets, on ``deadline.group``'s
     ranks; a hook that raises or returns a wrong result raises :class:`UsageError` naming
     the hook, the bucket and the cause, recorded with the deadline for the peers' errors."""
 
     def __init__(
-        self, state: object, hook: Callable[..., Any], deadline: Deadline, num_buckets: int
+        self,
+        state: object,
+        hook: Callable[..., Any],
+        deadline: Deadline,
+        bucket_numels: Sequence[int],
     ) -> None:
         self.state = state
         self.hook = hook
         self.deadline = deadline
         self.group = deadline.group  # gradsync's own group, for the exact flags and tags
-        self.num_buckets = num_buckets
+        self.bucket_numels = list(bucket_numels)  # gradients per bucket (for loads' checks)
+        self.num_buckets = len(self.bucket_numels)
         self._worker = SerialWorker("gradsync-torch-hook")
 
     def start(self, bucket: BucketLike) -> Handle:
         return self._worker.submit(lambda: self._reduce(bucket))
+
+    # torch's PowerSGDState survives checkpoints: see torch_hook_state.py.
+    def state_dict(self) -> dict[str, Any]:
+        return torch_hook_state.state_dict(self.state, self.deadline.rank)
+
+    def load_problem(self, state: dict[str, Any]) -> str | None:
+        return torch_hook_state.load_problem(state, self.deadline.rank, self.bucket_numels)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        rank, device = self.deadline.rank, self.deadline.device
+        torch_hook_state.load_state_dict(self.state, state, rank, device)
 
     def _reduce(self, bucket: BucketLike) -> None:
         try:
@@ -192,7 +172,8 @@ def register(wrapper: Any, state: object, hook: Callable[..., Any]) -> None:
         raise
     adopt_private_group(hook_state, deadline.group)
     reducer = wrapper.reducer
-    reducer.comm_hook = TorchHookAdapter(hook_state, hook, deadline, len(reducer.buckets))
+    numels = [b.grads.numel() for b in reducer.buckets]
+    reducer.comm_hook = TorchHookAdapter(hook_state, hook, deadline, numels)
     reducer.reduction.wire_divides = deadline.world_size
     wrapper._torch_hook = hook
 
