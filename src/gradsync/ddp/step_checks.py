@@ -45,7 +45,8 @@ def nonfinite_params(bucket: Bucket, names: Sequence[str]) -> list[str]:
     ]
 
 
-def _per_rank_lines(mine: list[str], deadline: Deadline, what: str) -> str:
+def per_rank_lines(mine: list[str], deadline: Deadline, what: str) -> str:
+    """Every rank's ``mine`` (a collective: one gather), a line per rank that has any."""
     per_rank = deadline.gather_objects(mine, what)
     return "\n".join(f"  rank {r}: {names}" for r, names in enumerate(per_rank) if names)
 
@@ -64,7 +65,7 @@ def check_tags(
     if desync is not None:
         raise DesyncError(f"{desync} (seen from rank {deadline.rank})")
     if ranks_with_flag(tags, PARAMS_CHANGED):
-        lines = _per_rank_lines(my_changes, deadline, "the report of changed parameters")
+        lines = per_rank_lines(my_changes, deadline, "the report of changed parameters")
         raise ParametersChangedError(
             "the module's parameters changed after it was wrapped, so buckets and hooks no "
             f"longer match them (seen from rank {deadline.rank}):\n{lines}\nGradients of this "
@@ -108,7 +109,7 @@ def raise_if_unused(
     if not missing:
         return
     unused_here = [names[i] for i in range(len(names)) if not used[i]]
-    lines = _per_rank_lines(unused_here, deadline, "the report of unused parameters")
+    lines = per_rank_lines(unused_here, deadline, "the report of unused parameters")
     raise UnusedParametersError(
         "these parameters received no gradient in this backward pass "
         f"(find_unused_parameters=False), seen from rank {deadline.rank}:\n{lines}\n"
@@ -121,7 +122,7 @@ def raise_if_unused(
 def raise_nonfinite(bad_buckets: list[int], nonfinite_here: list[str], deadline: Deadline) -> None:
     """Raise :class:`NonFiniteGradientError` on every rank; NaN/Inf survive the sum, so every
     rank sees the same ``bad_buckets`` and arrives here."""
-    lines = _per_rank_lines(nonfinite_here, deadline, "the report of NaN/Inf gradients")
+    lines = per_rank_lines(nonfinite_here, deadline, "the report of NaN/Inf gradients")
     where = f"before communication they were in:\n{lines}" if lines else (
         "no rank had any before communication: the sum overflowed, or a value exceeded the "
         "wire format's range (fp16: +-65504)"

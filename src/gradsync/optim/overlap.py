@@ -39,6 +39,7 @@ from gradsync.comm.hook import BucketLike, tail
 from gradsync.comm.ring import Ring, RingRunner, group_ring
 from gradsync.comm.worker import SerialWorker
 from gradsync.ddp.deadline import Deadline
+from gradsync.ddp.step_checks import per_rank_lines
 from gradsync.ddp.succession import successor
 from gradsync.errors import ParametersChangedError, ProtocolError, UsageError
 from gradsync.optim.sharded import ShardedOptimizer
@@ -232,15 +233,10 @@ def _refuse_changed_parameters(changes: list[str], deadline: Deadline) -> None:
     would build an optimizer that the others do not have (a collective: one gather)."""
     what = "the parameter check of shard_optimizer()"
     deadline.begin(what)
-    found = [
-        f"rank {r}: {', '.join(c)}"
-        for r, c in enumerate(deadline.gather_objects(changes, what))
-        if c
-    ]
-    if found:
+    lines = per_rank_lines(changes, deadline, what)
+    if lines:
         raise ParametersChangedError(
-            "shard_optimizer(): the module's parameters changed after it was wrapped ("
-            + "; ".join(found)
-            + "), and its shards are cut from the buckets planned at wrapping. Make such "
-            "changes before wrapping, or wrap again after them on every rank"
+            "shard_optimizer(): the module's parameters changed after it was wrapped, and its "
+            f"shards are cut from the buckets planned at wrapping:\n{lines}\nMake such changes "
+            "before wrapping, or wrap again after them on every rank"
         )
