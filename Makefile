@@ -11,7 +11,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q -e '.[dev]'
 	touch $@
 
-.PHONY: train train-3d test lint
+.PHONY: train train-3d test lint docs
 train: $(VENV)/.installed
 	$(VENV)/bin/torchrun --standalone --nproc-per-node $(NPROC) examples/train_gpt.py
 
@@ -19,10 +19,17 @@ train: $(VENV)/.installed
 train-3d: $(VENV)/.installed
 	$(VENV)/bin/torchrun --standalone --nproc-per-node 8 examples/train_3d.py --cp 2 --tp 2
 
+# The docs build comes first: with --strict a broken link or anchor in docs/ fails the suite.
 test: $(VENV)/.installed
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
 	$(PY) -m ruff check src tests examples benchmarks
 	$(PY) -m mypy
 	$(PY) -m pytest
 
 lint: $(VENV)/.installed
 	$(PY) -m ruff format --check src tests examples benchmarks
+
+# The documentation site (mkdocs.yml, docs/) into site/; --strict turns every warning, such as a
+# link to a missing page or anchor, into a failure.
+docs: $(VENV)/.installed
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict

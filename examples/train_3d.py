@@ -28,7 +28,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 import gradsync
-from gradsync.ddp.buckets import parse_cap
+from gradsync.ddp.plan import parse_cap
 from gradsync.testing import mesh_run
 from gradsync.testing.corpus import CharDataset, generate_corpus
 from gradsync.testing.gpt import GPTConfig

@@ -45,7 +45,7 @@ from tqdm import tqdm
 import gradsync
 from gradsync.checkpoint import Checkpointer, load_checkpoint, save_checkpoint
 from gradsync.data import DistributedSampler
-from gradsync.ddp.buckets import parse_cap
+from gradsync.ddp.plan import parse_cap
 from gradsync.testing.corpus import CharDataset, generate_corpus
 from gradsync.testing.gpt import GPT, GPTConfig, lm_loss
 

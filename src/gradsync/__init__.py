@@ -1,6 +1,6 @@
 """gradsync: data-parallel training on torch.distributed that equals one-device training."""
 
-from gradsync.ddp.diagnostics import any_rank
+from gradsync.ddp.checks.diagnostics import any_rank
 from gradsync.ddp.naive import average_gradients
 from gradsync.ddp.wrapper import DistributedDataParallel
 from gradsync.errors import (

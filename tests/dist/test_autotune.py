@@ -18,7 +18,7 @@ import torch.distributed as dist
 import gradsync
 from gradsync.ddp import autotune
 from gradsync.ddp.autoplan import CostModel
-from gradsync.ddp.buckets import SCALED_MIN_MB
+from gradsync.ddp.plan import SCALED_MIN_MB
 from gradsync.errors import UsageError
 from gradsync.testing.spawn import spawn
 

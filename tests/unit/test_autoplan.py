@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from gradsync.ddp.autoplan import CostModel, choose_plan, fit_cost, predict_end
-from gradsync.ddp.buckets import MB, plan_buckets
+from gradsync.ddp.plan import MB, plan_buckets
 
 F32 = torch.float32
 # A model of 8 parameters of 1 MiB each (fp32); in backward the last one is ready first.

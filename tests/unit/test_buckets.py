@@ -10,9 +10,9 @@ from torch import nn
 
 import gradsync
 from gradsync.comm.formats import wire_bytes
-from gradsync.ddp.buckets import (
+from gradsync.ddp.buckets import Bucket
+from gradsync.ddp.plan import (
     MB,
-    Bucket,
     cap_to_bytes,
     parse_cap,
     plan_buckets,
@@ -165,7 +165,7 @@ def test_results_give_new_gradients_one_copy_per_bucket_and_keep_existing_ones()
     bucket.grads.copy_(torch.arange(28.0))
     kept = torch.full((bucket.params[1].numel(),), -1.0)
     bucket.params[1].grad = kept
-    copies = bucket.results([2, 2, 2], as_view=False)
+    copies = bucket.results([2, 2, 2])
     assert [dst is kept for dst, _ in copies] == [True]  # copied into, in the caller's batch
     fresh = [bucket.params[0], bucket.params[2]]
     for slot in (0, 2):
@@ -176,11 +176,11 @@ def test_results_give_new_gradients_one_copy_per_bucket_and_keep_existing_ones()
     assert fresh[0].grad.untyped_storage().data_ptr() != fresh[1].grad.untyped_storage().data_ptr()
     for p in params:
         p.grad = None
-    bucket.results([2, 0, 2], as_view=False)  # unused everywhere: left as it was
+    bucket.results([2, 0, 2])  # unused everywhere: left as it was
     assert bucket.params[1].grad is None
     for p in params:
         p.grad = None
-    bucket.results([1, 1, 1], as_view=False)
+    bucket.results([1, 1, 1])
     storages = {p.grad.untyped_storage().data_ptr() for p in params}  # type: ignore[union-attr]
     assert len(storages) == 1  # one copy of the bucket, each gradient a view of it
     bucket.grads.zero_()  # the gradients no longer alias the buffer

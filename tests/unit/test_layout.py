@@ -48,6 +48,15 @@ def test_importing_the_library_does_not_import_the_harnesses() -> None:
     assert out.stdout.strip() == "[]", out.stdout
 
 
+# Size limits are signals: a file past them usually holds two ideas. A file that must pass one
+# to keep one invariant in one place is listed here with the reason.
+EXEMPT_FILES = {
+    "ddp/wrapper.py": "one class, one invariant: the wrapper is the only writer of its own state",
+    "ddp/reducer.py": "one class, one invariant: the reducer is the only writer of a step's state",
+}
+HARD_FILE_LINES = 500  # even an exempt file past this needs splitting
+
+
 def _long_functions(path: Path) -> list[str]:
     tree = ast.parse(path.read_text())
     return [
@@ -62,11 +71,138 @@ def _long_functions(path: Path) -> list[str]:
 def test_no_file_or_function_is_too_long_to_read() -> None:
     files = sorted(SRC.rglob("*.py"))
     assert files
-    too_long = [
-        f"{p.relative_to(SRC)} ({n} lines)"
-        for p in files
-        if (n := len(p.read_text().splitlines())) > MAX_FILE_LINES
-    ]
-    assert not too_long, too_long
+    lines = {p.relative_to(SRC).as_posix(): len(p.read_text().splitlines()) for p in files}
+    too_long = [f"{f} ({n} lines)" for f, n in lines.items() if n > MAX_FILE_LINES]
+    assert not [t for t in too_long if t.split()[0] not in EXEMPT_FILES], too_long
+    # An exemption that is no longer needed, or that grew past any reason, is removed.
+    assert all(MAX_FILE_LINES < lines[f] <= HARD_FILE_LINES for f in EXEMPT_FILES), {
+        f: lines.get(f) for f in EXEMPT_FILES
+    }
     long_functions = [f for p in files for f in _long_functions(p)]
     assert not long_functions, long_functions
+
+
+# -- the import graph ------------------------------------------------------------------------------
+# Layers, lowest first: a module imports only from its own layer or lower ones, so an arrow never
+# points back up. The optimizers (ZeRO-1, fp32 master weights, clipping) work on any module's
+# parameters and sit below the wrapper, which builds ZeRO-1 from them.
+LAYERS = [
+    {"errors", "elastic"},
+    {"mesh"},
+    {"failfast"},  # deadlines, arrival records, the private group: what every collective uses
+    {"comm"},
+    {"optim"},
+    {"ddp"},
+    {"checkpoint", "data"},
+    {"testing"},
+    {"verify", "bench", "cli", "__main__", "__init__"},
+]
+
+
+def _module(path: Path) -> str:
+    parts = list(path.relative_to(SRC.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Every module of the library -> the library's modules it imports, at any level (inside
+    functions and ``TYPE_CHECKING`` blocks too: a cycle there is still a cycle for a reader)."""
+    paths = {_module(p): p for p in SRC.rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for name, path in paths.items():
+        found: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                found.update(a.name for a in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                for alias in node.names:
+                    sub = f"{node.module}.{alias.name}"  # `from pkg import submodule`
+                    found.add(sub if sub in paths else node.module)
+        graph[name] = {m for m in found if m in paths and m != name}
+    return graph
+
+
+def _layer(module: str) -> int:
+    top = module.split(".")[1] if "." in module else "__init__"
+    return next(i for i, names in enumerate(LAYERS) if top in names)
+
+
+def test_every_package_has_a_layer() -> None:
+    for module in import_graph():
+        _layer(module)  # StopIteration: a new package must be placed in LAYERS
+
+
+def test_no_import_points_back_up() -> None:
+    up = [
+        f"{a} -> {b}"
+        for a, targets in import_graph().items()
+        for b in sorted(targets)
+        if _layer(b) > _layer(a)
+    ]
+    assert not up, up
+
+
+def test_the_library_has_no_import_cycle() -> None:
+    graph, cycles = import_graph(), []
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+
+    def visit(module: str, path: list[str]) -> None:
+        state[module] = 1
+        for target in sorted(graph[module]):
+            if state.get(target) == 1:
+                cycles.append(path[path.index(target) :] + [target])
+            elif target not in state:
+                visit(target, [*path, target])
+        state[module] = 2
+
+    for module in sorted(graph):
+        if module not in state:
+            visit(module, [module])
+    assert not cycles, cycles
+
+
+# -- the wrapper owns its state --------------------------------------------------------------------
+WRAPPER = SRC / "ddp" / "wrapper.py"
+
+
+def _wrapper_attributes() -> tuple[set[str], set[str]]:
+    """(private names of DistributedDataParallel: its ``self._x`` attributes and ``_x`` methods;
+    every attribute it assigns on ``self``)."""
+    tree = ast.parse(WRAPPER.read_text())
+    cls = next(
+        n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "DistributedDataParallel"
+    )
+    assigned = {
+        t.attr
+        for node in ast.walk(cls)
+        if isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign))
+        for target in (node.targets if isinstance(node, ast.Assign) else [node.target])
+        for t in ast.walk(target)
+        if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self"
+    }
+    methods = {n.name for n in cls.body if isinstance(n, ast.FunctionDef)}
+    private = {a for a in assigned | methods if a.startswith("_") and not a.startswith("__")}
+    return private, assigned
+
+
+# Public names the wrapper shares with other objects that other modules legitimately set.
+SHARED_NAMES = {"process_group": "torch's PowerSGDState has one (comm/torch_hooks.py sets it)"}
+
+
+def test_no_module_but_the_wrapper_touches_its_private_state_or_sets_its_attributes() -> None:
+    private, assigned = _wrapper_attributes()
+    assigned -= set(SHARED_NAMES)
+    assert {"_deadline", "_autotune", "_joining", "_replace_reducer"} <= private
+    found = []
+    for path in sorted(SRC.rglob("*.py")):
+        if path == WRAPPER:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.Attribute) or (
+                isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")
+            ):
+                continue
+            stores = isinstance(node.ctx, ast.Store) and node.attr in assigned
+            if node.attr in private or stores:
+                found.append(f"{path.relative_to(SRC)}:{node.lineno} .{node.attr}")
+    assert not found, found

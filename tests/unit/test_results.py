@@ -14,14 +14,14 @@ from torch import nn
 
 import gradsync
 from gradsync.ddp import reducer as reducer_module
-from gradsync.ddp import results
+from gradsync.ddp.checks import readout as results
 from gradsync.errors import ParametersChangedError, UnusedParametersError
 
 
 @pytest.fixture()
-def compared(monkeypatch) -> list[tuple[bool, results.Results]]:  # type: ignore[no-untyped-def]
+def compared(monkeypatch) -> list[tuple[bool, results.StepReadout]]:  # type: ignore[no-untyped-def]
     """Each reduction's (read from the device?, results), after checking both ways agree."""
-    seen: list[tuple[bool, results.Results]] = []
+    seen: list[tuple[bool, results.StepReadout]] = []
     reads: list[int] = []
     real_read = results._read
 
@@ -31,7 +31,7 @@ def compared(monkeypatch) -> list[tuple[bool, results.Results]]:  # type: ignore
 
     def both(buckets, check_finite, reduction, world_size, used, tag_slots):  # type: ignore[no-untyped-def]
         before = len(reads)
-        got = results.read_results(buckets, check_finite, reduction, world_size, used, tag_slots)
+        got = results.read_step(buckets, check_finite, reduction, world_size, used, tag_slots)
         from_device = len(reads) > before
         flat = real_read(buckets, check_finite, reduction)
         assert got == results._parse(flat, buckets, check_finite, reduction, world_size)
@@ -39,7 +39,7 @@ def compared(monkeypatch) -> list[tuple[bool, results.Results]]:  # type: ignore
         return got
 
     monkeypatch.setattr(results, "_read", counted_read)
-    monkeypatch.setattr(reducer_module, "read_results", both)
+    monkeypatch.setattr(reducer_module, "read_step", both)
     return seen
 
 

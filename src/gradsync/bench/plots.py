@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from gradsync.bench.report import fixed_caps, variant_rows
-from gradsync.ddp.buckets import SCALED
+from gradsync.ddp.plan import SCALED
 
 
 def _cap_label(cap: float | str | None) -> str:

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gradsync.bench import wire
-from gradsync.ddp.buckets import SCALED
+from gradsync.ddp.plan import SCALED
 from gradsync.testing.netns import PAYLOAD_FRACTION
 
 MIB = 2**20

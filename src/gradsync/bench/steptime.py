@@ -18,22 +18,9 @@ import torch.distributed as dist
 from torch import nn
 
 import gradsync
+from gradsync.bench import wire
+from gradsync.bench.variant import Variant
 from gradsync.testing.gpt import GPT, GPTConfig, lm_loss
-
-
-@dataclass(frozen=True)
-class Variant:
-    """One way of synchronising gradients."""
-
-    name: str
-    kind: str  # "naive" (average_gradients), "gradsync", "torch_ddp", or "local" (no sync);
-    # "gradsync_wire" and "torch_ddp_hook": a wire format (see gradsync.bench.wire);
-    # "gradsync_auto": bucket_cap_mb="auto" (the plan it switches to after its profiled steps)
-    bucket_cap_mb: float | str | None = 25.0  # a string only for gradsync ("scaled", "auto")
-    algorithm: str = "native"
-    first_bucket_cap_mb: float | None = 1.0
-    wire: str | None = None  # "bf16" or "powersgd" for the wire-format kinds
-
 
 DEFAULT_NAME = "gradsync default (scaled)"
 """The row of gradsync at its default bucket cap, in this harness and in ``gradsync bench``."""
@@ -96,8 +83,6 @@ def _build(
     if variant.kind == "local":
         return gpt, gpt, lambda: None
     if variant.kind in ("gradsync_wire", "torch_ddp_hook"):
-        from gradsync.bench import wire  # it builds on this module's Variant
-
         return wire.build(variant, gpt), gpt, lambda: None
     raise ValueError(f"unknown variant kind {variant.kind!r}")
 

@@ -31,9 +31,9 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
 
 import gradsync
-from gradsync.bench.steptime import Variant
+from gradsync.bench.variant import Variant
 from gradsync.comm.powersgd import PowerSGD
-from gradsync.ddp.buckets import SCALED
+from gradsync.ddp.plan import SCALED
 
 WIRE_KINDS = ("gradsync_wire", "torch_ddp_hook")
 POWERSGD_RANK = 4

@@ -50,8 +50,8 @@ from gradsync.bench.steptime import (
     num_parameters,
     time_interleaved,
 )
-from gradsync.ddp import buckets
-from gradsync.ddp.buckets import SCALED
+from gradsync.ddp import plan
+from gradsync.ddp.plan import SCALED
 from gradsync.testing.busbw import allreduce_times
 
 MIB = 2**20
@@ -314,7 +314,7 @@ def parse_cap(text: str) -> float | None:
     default ("scaled") and "auto" run in every bench."""
     if text.lower() in ("one", "inf"):
         return None
-    cap = buckets.parse_cap(text)
+    cap = plan.parse_cap(text)
     if isinstance(cap, str):
         raise argparse.ArgumentTypeError(f"--caps takes fixed caps ({cap!r} always runs)")
     return cap

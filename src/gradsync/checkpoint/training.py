@@ -35,9 +35,9 @@ from gradsync.checkpoint.folder import (
 )
 from gradsync.checkpoint.loadable import check_loadable
 from gradsync.checkpoint.state import TrainingObjects, mismatches, snapshot
-from gradsync.ddp.deadline import as_timedelta
-from gradsync.ddp.group import private_group
 from gradsync.errors import CheckpointError, ProtocolError, UsageError
+from gradsync.failfast.deadline import as_timedelta
+from gradsync.failfast.group import private_group
 from gradsync.optim.master import MasterWeights
 
 

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-from gradsync.comm.algorithm import AllReduceAlgorithm, CommStats, Handle
+from gradsync.comm.algorithm import AllReduceAlgorithm, CommStats, Handle, NativeAllReduce
 from gradsync.comm.compress import HalfPrecisionHook
 from gradsync.comm.formats import describe_compression, make_comm_hook
 from gradsync.comm.hierarchical import HierarchicalAllReduce
 from gradsync.comm.hook import AllReduceHook, BucketLike, CommHook
-from gradsync.comm.native import NativeAllReduce
 from gradsync.comm.powersgd import PowerSGD, PowerSGDHook
 from gradsync.comm.ring import RingAllReduce
 

@@ -1,4 +1,5 @@
-"""The extension point for all-reduce: one small interface, several algorithms behind it.
+"""The extension point for all-reduce: one small interface, several algorithms behind it, and the
+default, :class:`NativeAllReduce` (the backend's own: gloo, NCCL).
 
 An algorithm takes a tensor and a process group and starts an in-place sum over the group,
 returning a handle with ``wait()``, like ``dist.all_reduce(..., async_op=True)`` does. The
@@ -11,21 +12,11 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from datetime import timedelta
-from typing import Protocol
 
 import torch
 import torch.distributed as dist
 
-
-class Handle(Protocol):
-    """What an asynchronous all-reduce returns; ``wait()`` blocks until the result is in place.
-
-    ``wait(timeout)`` raises ``RuntimeError`` if the result is not there within ``timeout``, as
-    ``dist.Work.wait`` does: gradsync's deadlines are built on it.
-    """
-
-    def wait(self, timeout: timedelta | None = None) -> object: ...
+from gradsync.failfast.deadline import Handle  # what start() returns: see there
 
 
 @dataclass
@@ -55,3 +46,19 @@ class AllReduceAlgorithm(ABC):
     @abstractmethod
     def all_reduce(self, tensor: torch.Tensor, group: dist.ProcessGroup | None = None) -> Handle:
         """Start an in-place sum of ``tensor`` over ``group`` and return its handle."""
+
+
+class NativeAllReduce(AllReduceAlgorithm):
+    """``dist.all_reduce`` with ``ReduceOp.SUM``; the backend picks its own algorithm."""
+
+    name = "native"
+
+    def all_reduce(self, tensor: torch.Tensor, group: dist.ProcessGroup | None = None) -> Handle:
+        nbytes = tensor.numel() * tensor.element_size()
+        self.stats.calls += 1
+        # What the backend moves internally is its business; we count what we hand it.
+        self.stats.bytes_sent += nbytes
+        self.stats.bytes_received += nbytes
+        work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=True)
+        assert work is not None
+        return work

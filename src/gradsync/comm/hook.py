@@ -25,7 +25,7 @@ lives behind this one call; the hook path never changes when it does. The contra
    compressing hook may replace the gradient part by an approximation of that sum, and says
    how far it may be from it (``compress.py``, ``powersgd.py``). The exception is a hook of
    torch's ``ddp_comm_hooks`` (``torch_hooks.py``): those average, so the reduction scales
-   the gradients by the world size more (``Reduction.wire_divides``).
+   the gradients by the world size more (``CommHook.divides_by``).
 5. Thread. A hook issuing more than one collective per bucket issues them all from one
    thread, bucket after bucket (``worker.py``): collectives chained by completion callbacks
    could interleave with the next bucket's in a different order on different ranks.
@@ -76,6 +76,9 @@ def tail(bucket: BucketLike) -> torch.Tensor:
 
 class CommHook(ABC):
     """Starts the communication of one full bucket; see [Note: the bucket communication seam]."""
+
+    # What the hook divides the sum by (point 4 of the Note): 1, except for torch's hooks.
+    divides_by: int = 1
 
     @abstractmethod
     def start(self, bucket: BucketLike) -> Handle:

@@ -8,7 +8,7 @@ exactly in a separate small all-reduce.
 
 As in torch DDP, the hook receives undivided gradients and averages them itself over its
 process group, which must be the wrapper's: the reduction multiplies its pre-division by the
-world size (``Reduction.wire_divides``) so ``mean``, ``sum`` and ``item_mean`` keep their
+world size (``CommHook.divides_by``) so ``mean``, ``sum`` and ``item_mean`` keep their
 meaning. The hook runs on a worker thread, one bucket after another, its future awaited there:
 the collectives torch's PowerSGD chains in ``then`` callbacks would otherwise interleave with
 the next bucket's in a different order on different ranks (gloo pairs collectives by order).
@@ -30,7 +30,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -41,9 +41,7 @@ from gradsync.comm.grad_bucket import GradBucketView
 from gradsync.comm.hook import BucketLike, CommHook, tail
 from gradsync.comm.worker import SerialWorker
 from gradsync.errors import GradsyncError, ProtocolError, UsageError
-
-if TYPE_CHECKING:
-    from gradsync.ddp.deadline import Deadline
+from gradsync.failfast.deadline import Deadline
 
 # Texts by which a collective's failure shows inside a future (torch re-raises any error from
 # a ``then`` callback as a plain RuntimeError, so its type no longer tells).
@@ -68,6 +66,7 @@ class TorchHookAdapter(CommHook):
         self.group = deadline.group  # gradsync's own group, for the exact flags and tags
         self.bucket_numels = list(bucket_numels)  # gradients per bucket (for loads' checks)
         self.num_buckets = len(self.bucket_numels)
+        self.divides_by = deadline.world_size  # torch's hooks average
         self._worker = SerialWorker("gradsync-torch-hook")
 
     def start(self, bucket: BucketLike) -> Handle:
@@ -150,32 +149,36 @@ def _is_backend_failure(exc: BaseException) -> bool:
 
 
 # -- registration ---------------------------------------------------------------------------------
-def register(wrapper: Any, state: object, hook: Callable[..., Any]) -> None:
-    """``DistributedDataParallel.register_comm_hook``: checks, agreement, installation.
+def register(
+    state: object,
+    hook: Callable[..., Any],
+    deadline: Deadline,
+    bucket_numels: Sequence[int],
+    wrapper: WrapperFacts,
+) -> TorchHookAdapter:
+    """``DistributedDataParallel.register_comm_hook``: checks and agreement; returns the
+    adapter for the wrapper to install, over buckets of ``bucket_numels`` gradients.
 
     A registration that fails on this rank raises here at once and leaves word for the peers
     (their own registration, or their deadline, quotes it); see :func:`agree_on_hook`.
     """
-    deadline = wrapper._deadline
     try:
-        check_registration(wrapper, hook)
+        check_registration(hook, wrapper)
     except GradsyncError as exc:
-        if wrapper._torch_hook is None:  # a hook already agreed on stays announced
+        if not wrapper.registered:  # a hook already agreed on stays announced
             announce(deadline, {"hook": f"none (its registration raised {_summary(exc)})"})
         deadline.record_error(exc)
         raise
-    hook_state = state_for_hook(state, deadline.group)
+    private = deadline.group
+    assert private is not None, "a wrapper's deadline always has its private group"
+    hook_state = state_for_hook(state, private)
     try:
         agree_on_hook(identity_of(hook_state, hook), deadline)
     except GradsyncError as exc:
         deadline.record_error(exc)
         raise
-    adopt_private_group(hook_state, deadline.group)
-    reducer = wrapper.reducer
-    numels = [b.grads.numel() for b in reducer.buckets]
-    reducer.comm_hook = TorchHookAdapter(hook_state, hook, deadline, numels)
-    reducer.reduction.wire_divides = deadline.world_size
-    wrapper._torch_hook = hook
+    adopt_private_group(hook_state, private)
+    return TorchHookAdapter(hook_state, hook, deadline, bucket_numels)
 
 
 def hook_name(hook: Callable[..., Any]) -> str:
@@ -190,15 +193,26 @@ def hook_name(hook: Callable[..., Any]) -> str:
     return f"{module}.{name}"
 
 
-def check_registration(wrapper: Any, hook: Callable[..., Any]) -> None:
+class WrapperFacts(NamedTuple):
+    """What a registration must know of the wrapper it is for."""
+
+    compression: str  # describe_compression(...) of its compression
+    algorithm: str  # its all-reduce algorithm's name
+    registered: bool  # a hook was registered already
+    forward_ran: bool  # a forward ran through it
+    sharded: bool  # shard_optimizer() was called
+    auto: bool  # bucket_cap_mb="auto"
+
+
+def check_registration(hook: Callable[..., Any], wrapper: WrapperFacts) -> None:
     """Refuse, on this rank, a registration that torch DDP would refuse or that would mix
     with another of the wrapper's choices."""
-    compression, algorithm = wrapper._compression_name, wrapper.algorithm.name
+    compression, algorithm = wrapper.compression, wrapper.algorithm
     if not callable(hook):
         raise UsageError(f"register_comm_hook needs a callable hook, got {hook!r}")
-    if wrapper._torch_hook is not None:
+    if wrapper.registered:
         raise ProtocolError("register_comm_hook can only be called once per wrapper")
-    if wrapper._forward_ran:
+    if wrapper.forward_ran:
         raise ProtocolError(
             "register_comm_hook must be called before the first forward through the "
             "wrapper (as in torch DDP): buckets already went through the previous hook"
@@ -209,9 +223,9 @@ def check_registration(wrapper: Any, hook: Callable[..., Any]) -> None:
             f"compression=None and algorithm='native' (got compression={compression}, "
             f"algorithm={algorithm!r})"
         )
-    if wrapper.reducer.sharding is not None:  # shard_optimizer() refuses the reverse order
+    if wrapper.sharded:  # shard_optimizer() refuses the reverse order
         raise UsageError("register_comm_hook cannot be combined with shard_optimizer()")
-    if wrapper._autotune is not None:  # its state may be per bucket (PowerSGD's is)
+    if wrapper.auto:  # its state may be per bucket (PowerSGD's is)
         raise UsageError("register_comm_hook cannot be combined with bucket_cap_mb='auto'")
 
 

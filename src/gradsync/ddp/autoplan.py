@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from gradsync.ddp.buckets import BucketSpec, cap_to_bytes, plan_buckets
+from gradsync.ddp.plan import BucketSpec, cap_to_bytes, plan_buckets
 
 CANDIDATE_CAPS_MB: tuple[float | None, ...] = (0.25, 0.5, 1, 2, 5, 10, 25, 50, 100, None)
 """The caps ``"auto"`` chooses among (MiB; ``None``: one bucket per dtype)."""

@@ -6,7 +6,7 @@ them (horovod#1282). Here the plan changes once, at a point where no gradient of
 exists yet, on every rank at the same point:
 
 1. Profile. The wrapper starts with the default plan ("scaled", see [Note: the default bucket
-   cap] in ``buckets.py``, and the wrapper's first bucket cap). After ``WARMUP_STEPS``
+   cap] in ``plan.py``, and the wrapper's first bucket cap). After ``WARMUP_STEPS``
    synchronised steps (first-call costs, allocations), an extra post-accumulate-grad hook per
    parameter notes ``perf_counter`` when the gradient is ready inside each of
    ``PROFILE_STEPS`` synchronised backwards (not under ``no_sync``). The hooks are removed
@@ -28,12 +28,12 @@ exists yet, on every rank at the same point:
    switches then; the step goes on under the current plan, whose step tags raise
    ``ParametersChangedError`` on every rank, naming the parameter, as without ``"auto"``. The
    switch is tried again at the next step boundary.
-3. Switch. A new :class:`Reducer` with the chosen buckets on the same parameter watch, comm hook
-   and reduction (``succession.py``): ``num_reductions`` carries on, so step tags and
-   checkpoints continue, and so does a window that an eval forward with grad opened before
-   this training forward (its gradients are part of this step). Building it retires the old
-   reducer. Every ``p.main_grad`` moves to its slot in the new buckets (``move_main_grads``),
-   and the wrapper's ``bucket_cap_mb`` becomes the cap the new buckets were planned with.
+3. Switch. The wrapper installs a new :class:`Reducer` with the chosen buckets on the same
+   parameter watch, comm hook and reduction (``Reducer.succeed``): ``num_reductions`` carries
+   on, so step tags and checkpoints continue, and so does a window that an eval forward with
+   grad opened before this training forward (its gradients are part of this step). Building it
+   retires the old reducer. Every ``p.main_grad`` moves to its slot in the new buckets, and the
+   wrapper's ``bucket_cap_mb`` becomes the cap the new buckets were planned with.
 4. Keep it only if it is faster. The cost model times collectives on an idle machine; during a
    backward on a CPU the same collectives compete with it for the cores (gloo adds and copies
    on the CPU, and so does the kernel's network stack), which no fit of idle timings sees: on
@@ -60,14 +60,14 @@ from __future__ import annotations
 import logging
 import statistics
 import time
+import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torch.utils.hooks import RemovableHandle
 
-from gradsync.comm import PowerSGD
 from gradsync.ddp.autoplan import (
     CANDIDATE_CAPS_MB,
     BucketPlan,
@@ -76,11 +76,15 @@ from gradsync.ddp.autoplan import (
     fit_cost,
     predict_end,
 )
-from gradsync.ddp.buckets import BucketSpec, check_cap, grad_bytes
-from gradsync.ddp.deadline import Deadline
-from gradsync.ddp.reducer import Reducer, _Phase
-from gradsync.ddp.succession import successor
-from gradsync.errors import UsageError
+from gradsync.ddp.plan import BucketSpec, grad_bytes
+from gradsync.failfast.deadline import Deadline
+
+if TYPE_CHECKING:
+    from gradsync.ddp.reducer import Reducer
+
+# The wrapper's switch to buckets ``specs`` planned with a cap of ``cap_mb``: returns the new
+# reducer (see ``DistributedDataParallel._adopt_plan``).
+Adopt = Callable[[list[BucketSpec], "float | None"], "Reducer"]
 
 logger = logging.getLogger("gradsync")
 
@@ -91,21 +95,6 @@ PROBE_BYTES = (1 << 12, 1 << 18, 1 << 22)  # all-reduce sizes timed to fit the c
 PROBE_REPEATS = 3
 _clock: Callable[[], float] = time.perf_counter  # the gradient hooks' clock
 _step_clock: Callable[[], float] = time.perf_counter  # step boundaries' clock (the trial)
-
-
-def wants_auto(bucket_cap_mb: float | str | None, compression: object) -> bool:
-    """Whether ``bucket_cap_mb`` asks for ``"auto"``; refuses what is no cap at all and what
-    cannot follow a change of buckets (PowerSGD keeps per-bucket state)."""
-    check_cap(bucket_cap_mb)
-    if bucket_cap_mb != "auto":
-        return False
-    if isinstance(compression, PowerSGD):
-        raise UsageError(
-            "bucket_cap_mb='auto' cannot be combined with compression=PowerSGD: its matrices "
-            "and error feedback are kept per bucket and would be lost when the plan switches; "
-            "pass a numeric bucket_cap_mb"
-        )
-    return True
 
 
 def measure_cost(deadline: Deadline, total_bytes: int, what: str) -> list[tuple[int, float]]:
@@ -133,30 +122,6 @@ def changed_anywhere(reducer: Reducer, what: str) -> bool:
     return bool(flag.item() > 0.0)
 
 
-def move_main_grads(old: Reducer, new: Reducer) -> None:
-    """Point every ``p.main_grad`` at its slot in ``new``'s buckets, keeping its value.
-
-    The reduction writes ``main_grad`` only for parameters used on some rank; one unused on
-    every rank keeps the view it had. Left in the retired buckets, which no forward zeroes any
-    more, it would hold an old step's gradient for an optimizer to step on, where the fixed
-    plan (and one process) gives zeros. Requires the same parameters in both reducers.
-
-    Nothing to move if ``new`` continues a window an eval forward began: ``main_grad`` then
-    holds a copy of the last reduction, not a view of the buckets ([Note: eval forwards keep
-    main gradients]), and ``successor`` carried the window's gradients over."""
-    if not new.main_grads or new.phase is not _Phase.UNPREPARED:
-        return
-    assert list(map(id, new.params)) == list(map(id, old.params)), "parameters changed"
-    for index, param in enumerate(new.params):
-        main = getattr(param, "main_grad", None)
-        if main is None:
-            continue  # never reduced: no main_grad yet, as with the fixed plan
-        b, slot = new.location[index]
-        view = new.buckets[b].views[slot]
-        view.copy_(main)
-        param.main_grad = view  # type: ignore[attr-defined]
-
-
 class AutoBuckets:
     """The runtime of ``bucket_cap_mb="auto"`` for one wrapper; see [Note: switching the bucket
     plan]. ``plan`` is ``None`` until the switch, then the :class:`BucketPlan` in use (on trial
@@ -176,26 +141,27 @@ class AutoBuckets:
         self._initial_s = -1.0  # median step under the initial plan, before the switch
         self._hooks: list[RemovableHandle] = []
 
-    @classmethod
-    def create(
-        cls, bucket_cap_mb: float | str | None, first_cap_mb: float | None, compression: object
-    ) -> AutoBuckets | None:
-        """The runtime for a wrapper built with these options (``None``: not ``"auto"``)."""
-        return cls(first_cap_mb) if wants_auto(bucket_cap_mb, compression) else None
-
-    def before_forward(self, wrapper: Any) -> None:
-        """Called by every training forward before its collectives: switch if this is the step
-        boundary (the same forward on every rank), else nothing."""
+    def before_forward(
+        self,
+        reducer: Reducer,
+        joining: bool,
+        sizes: list[tuple[int, torch.dtype]],
+        cap_mb: float | None,
+        adopt: Adopt,
+    ) -> None:
+        """Called by every training forward before its collectives: switch (through ``adopt``)
+        if this is the step boundary (the same forward on every rank), else nothing.
+        ``reducer``: the wrapper's; ``sizes``: ``(numel, dtype)`` of its parameters' gradients
+        as the buckets hold them; ``cap_mb``: the cap its buckets were planned with."""
         if self.settled:
             return
-        reducer: Reducer = wrapper.reducer
         if self._start is None:
             self._start = reducer.num_reductions
             self._hooks = [
                 p.register_post_accumulate_grad_hook(self._recorder(reducer, i))
                 for i, p in enumerate(reducer.params)
             ]
-        if reducer.window_forwards or wrapper._joining:
+        if reducer.window_open or joining:
             return  # inside an accumulation window, or ranks may be missing: not here
         step = reducer.num_reductions
         self._marks[step] = _step_clock()
@@ -204,9 +170,9 @@ class AutoBuckets:
             if step >= profiled:
                 self._remove_hooks()
             if step >= profiled + TRIAL_STEPS:
-                self._switch(wrapper, reducer)
+                self._switch(reducer, sizes, cap_mb, adopt)
         elif step >= self.switched_at + TRIAL_STEPS:
-            self._settle(wrapper, reducer)
+            self._settle(reducer, adopt)
 
     def _median_step(self, first: int, count: int) -> float:
         """Median seconds of steps ``first .. first + count - 1`` (from each one's boundary to
@@ -219,11 +185,16 @@ class AutoBuckets:
         return statistics.median(times) if times else -1.0
 
     def _recorder(self, reducer: Reducer, index: int) -> Callable[[torch.Tensor], None]:
+        # Weak references, as the reducer's own hooks: see Reducer._take_over_parameters.
+        me, watched = weakref.ref(self), weakref.ref(reducer)
+
         def record(param: torch.Tensor) -> None:
-            assert self._start is not None
-            step = reducer.num_reductions - self._start
-            if reducer.phase is _Phase.REDUCING and WARMUP_STEPS <= step:  # till removed
-                self._times.setdefault(step, {})[index] = _clock()
+            auto, red = me(), watched()
+            if auto is None or red is None or auto._start is None:
+                return
+            step = red.num_reductions - auto._start
+            if red.reducing and WARMUP_STEPS <= step:  # till removed
+                auto._times.setdefault(step, {})[index] = _clock()
 
         return record
 
@@ -273,7 +244,13 @@ class AutoBuckets:
             handle.remove()
         self._hooks = []
 
-    def _switch(self, wrapper: Any, reducer: Reducer) -> None:
+    def _switch(
+        self,
+        reducer: Reducer,
+        sizes: list[tuple[int, torch.dtype]],
+        cap_mb: float | None,
+        adopt: Adopt,
+    ) -> None:
         # The profiling hooks are gone already (removed at the end of the profiled steps).
         step = reducer.num_reductions
         if not reducer.params:
@@ -285,33 +262,22 @@ class AutoBuckets:
             return  # none switches; this step raises ParametersChangedError (the Note, 2.)
         self.switched_at = step
         # The buckets' dtypes, not the parameters': fp32 for a bf16 model's main gradients.
-        sizes = wrapper.bucket_sizes
-        plan, initial_plan = self.decide(reducer, sizes, wrapper.bucket_cap_mb, what)
+        plan, initial_plan = self.decide(reducer, sizes, cap_mb, what)
         self.plan = self.chosen = plan
-        self._initial = wrapper.bucket_specs, initial_plan
+        self._initial = reducer.specs, initial_plan
         specs = plan.specs(sizes)
         if reducer.deadline.rank == 0:
             logger.info("bucket_cap_mb='auto' chose %s, from step %d", describe(plan), step)
-        if specs == wrapper.bucket_specs:
+        if specs == reducer.specs:
             self.settled = True  # the plan it has already: nothing to try
             return
-        self._adopt(wrapper, reducer, specs, plan.cap_mb)
+        adopt(specs, plan.cap_mb)
         # The initial plan's last steps end where the choice began; the trial's first step
         # starts after it (the probes are in neither).
         self._initial_s = self._median_step(step - TRIAL_STEPS, TRIAL_STEPS)
         self._marks[step] = _step_clock()
 
-    @staticmethod
-    def _adopt(
-        wrapper: Any, reducer: Reducer, specs: list[BucketSpec], cap_mb: float | None
-    ) -> None:
-        """Give ``wrapper`` a reducer with ``specs``, planned with ``cap_mb``, from this step on."""
-        new = wrapper.reducer = successor(reducer, specs)
-        wrapper.bucket_specs = specs
-        wrapper.bucket_cap_mb = cap_mb  # the cap the buckets in use were planned with
-        move_main_grads(reducer, new)
-
-    def _settle(self, wrapper: Any, reducer: Reducer) -> None:
+    def _settle(self, reducer: Reducer, adopt: Adopt) -> None:
         """Keep the chosen plan if its steps were no slower than the initial plan's, else go
         back to the initial plan (every rank decides on the same MAX-reduced times)."""
         assert self.switched_at is not None and self._initial is not None
@@ -330,7 +296,7 @@ class AutoBuckets:
         slower = 0.0 < initial_s < chosen_s
         if slower:
             specs, self.plan = self._initial
-            self._adopt(wrapper, reducer, specs, self.plan.cap_mb)
+            adopt(specs, self.plan.cap_mb)
             self.switched_at = step
         if reducer.deadline.rank == 0:
             verdict = "went back to the initial plan" if slower else "kept the chosen plan"

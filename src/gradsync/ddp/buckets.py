@@ -1,219 +1,49 @@
-"""Buckets: which gradients travel together (planning, pure) and the flat buffer they share.
+"""Buckets: the flat buffer a planned bucket (``plan.py``) shares, and how gradients get in
+and out of it.
 
-Gradients become ready roughly in reverse registration order (the last layer's first), so
-buckets are filled in that order: the first bucket to fill is the first to be sent, while
-autograd is still computing the rest. One all-reduce per bucket amortises the per-call latency
-that one all-reduce per parameter would pay ~100 times per step. (Li et al., "PyTorch
-Distributed: Experiences on Accelerating Data Parallel Training", VLDB 2020, section 3.2.)
-
-Planning (:func:`plan_buckets`) is pure: sizes in, layout out, no process group, so it is
-tested on its own. :class:`Bucket` is one planned bucket made real: a flat buffer of gradients
-followed by one used flag per parameter (see [Note: used flags] in ``reducer.py``) and, in the
-first bucket, every rank's step tag (see [Note: step tags] in ``step_tags.py``).
+A bucket's buffer holds its gradients, then one used flag per parameter (see [Note: used
+flags] in ``reducer.py``) and, in the first bucket, every rank's step tag (see [Note: step
+tags] in ``checks/tags.py``). :class:`Bucket` copies each gradient in once its whole bucket has
+arrived; :class:`AccumulatingBucket` (``main_grad_dtype``) owns the gradients instead, adding
+each micro-batch's into its buffer as it arrives (see [Note: main gradients] in
+``main_grads.py``).
 """
 
 from __future__ import annotations
 
-import argparse
-import math
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-from gradsync.errors import UsageError
+from gradsync.ddp.plan import BucketSpec
 from gradsync.mesh.dtensors import GradLayout, local
-
-MB = 1024 * 1024  # bucket_cap_mb counts MiB, as in torch DDP
-
-
-@dataclass(frozen=True)
-class BucketSpec:
-    """The layout of one flat bucket: which parameters, where each one's gradient lives."""
-
-    index: int
-    dtype: torch.dtype
-    param_indices: tuple[int, ...]  # positions in the wrapper's list of trainable parameters
-    offsets: tuple[int, ...]  # element offset of each parameter's gradient in the flat buffer
-    numel: int  # elements of gradient in the bucket (excludes the per-parameter used flags)
-
-    @property
-    def nbytes(self) -> int:
-        return self.numel * torch.empty((), dtype=self.dtype).element_size()
-
-
-# [Note: the default bucket cap]
-# torch DDP's 25 MiB suits the models it was tuned on, with hundreds of MiB of gradients or
-# more: they get ten buckets or many more. A model with 50 MiB of gradients gets two after the
-# 1 MiB first bucket, and the second is ready only halfway through the backward. On a slow
-# link the wire idles until then, and the second half's whole transfer comes after the
-# backward. Measured on two simulated nodes at 1 Gbit/s with a 12.7M-parameter GPT (50.7 MB):
-# 25 MiB 0.95-1.03x torch DDP's step, 5 MiB 0.83-0.86x, while on loopback the two are within
-# noise of each other. So the default, "scaled", is an eighth of the model's gradient bytes:
-# at least eight buckets, so that the wire waits for about an eighth of the backward before
-# the second bucket and about an eighth of the all-reduce is left after it. Bucket sizes stay
-# between 1 MiB *on the wire* (below it a collective's fixed cost dominates) and torch's 25 MiB
-# (reached at 200 MiB of gradients; larger models get torch's plan). The floor counts wire
-# bytes because a compressed bucket pays the fixed costs of its collectives (PowerSGD: two,
-# one after the other) for far fewer bytes: bf16 halves the bytes, so its buckets hold at
-# least 2 MiB of fp32 gradients; PowerSGD rank 4 sends ~1/80 of them, so its buckets stay at
-# 25 MiB (measured on the same GPT: 0.571x torch DDP's step at 25 MiB, 0.614x at 6 MiB on
-# the slow link; 1.026x and 1.089x on loopback). Unlike "auto" the rule reads only the
-# parameters' sizes and the wire format: the same plan on every rank, in every run of the job
-# and in its resume, so the bits a run computes do not depend on timings.
-SCALED = "scaled"
-SCALED_BUCKETS = 8
-SCALED_MIN_MB, SCALED_MAX_MB = 1.0, 25.0
-CAP_WORDS = (SCALED, "auto")  # the strings bucket_cap_mb takes (auto: see autotune.py)
-
-
-def scaled_cap_mb(grad_bytes: int, wire_bytes: int | None = None) -> float:
-    """The cap of ``bucket_cap_mb="scaled"`` for ``grad_bytes`` of gradients that take
-    ``wire_bytes`` on the wire (default: as many; see [Note: the default bucket cap])."""
-    shrink = grad_bytes / wire_bytes if wire_bytes else 1.0  # > 1 for a compressed wire
-    floor = SCALED_MIN_MB * max(shrink, 1.0)
-    return min(SCALED_MAX_MB, max(floor, grad_bytes / SCALED_BUCKETS / MB))
-
-
-def check_cap(
-    bucket_cap_mb: float | str | None,
-    name: str = "bucket_cap_mb",
-    words: tuple[str, ...] = CAP_WORDS,
-) -> None:
-    """``UsageError`` (a ``ValueError``) naming the choices, for a cap ``name`` that is not a
-    number >= 0, ``None`` or one of ``words``."""
-    if bucket_cap_mb is None or bucket_cap_mb in words:
-        return
-    number = isinstance(bucket_cap_mb, (int, float)) and not isinstance(bucket_cap_mb, bool)
-    if number and 0 <= bucket_cap_mb < math.inf:  # type: ignore[operator]
-        return
-    *others, last = ["a finite number >= 0", "None", *(repr(w) for w in words)]
-    choices = f"{', '.join(others)} or {last}"
-    raise UsageError(f"{name} must be {choices}, got {bucket_cap_mb!r}")
-
-
-def resolve_cap(
-    bucket_cap_mb: float | str | None,
-    params: Sequence[tuple[int, torch.dtype]],
-    wire_bytes: int | None = None,
-) -> float | None:
-    """The cap in MiB a wrapper plans its buckets with, for parameters given as ``(numel,
-    dtype)`` whose gradients take ``wire_bytes`` on the wire: "scaled" from those bytes,
-    "auto" starts from "scaled" (until it has chosen)."""
-    check_cap(bucket_cap_mb)
-    if isinstance(bucket_cap_mb, str):
-        return scaled_cap_mb(grad_bytes(params), wire_bytes)
-    return bucket_cap_mb
-
-
-def grad_bytes(params: Sequence[tuple[int, torch.dtype]]) -> int:
-    """Bytes of the gradients of parameters given as ``(numel, dtype)``."""
-    return sum(n * d.itemsize for n, d in params)
-
-
-def parse_cap(text: str) -> float | str | None:
-    """``bucket_cap_mb`` as written on a command line: a number of MiB, ``none`` (one
-    bucket), ``scaled`` or ``auto``; for argparse's ``type=``, so a refusal is an
-    ``ArgumentTypeError`` whose message argparse prints."""
-    word = text.strip().lower()
-    if word == "none":
-        return None
-    if word in CAP_WORDS:
-        return word
-    try:
-        cap = float(word)
-    except ValueError:
-        cap = math.nan
-    if not 0 <= cap < math.inf:
-        try:
-            check_cap(text)  # refused, naming what was written
-        except UsageError as exc:
-            raise argparse.ArgumentTypeError(str(exc)) from exc
-    return cap
-
-
-def cap_to_bytes(bucket_cap_mb: float | None) -> int | None:
-    """``bucket_cap_mb`` in bytes; ``None`` means unlimited (one bucket per dtype)."""
-    if bucket_cap_mb is None:
-        return None
-    if bucket_cap_mb < 0:
-        raise ValueError(f"bucket_cap_mb must be >= 0 or None, got {bucket_cap_mb}")
-    return int(bucket_cap_mb * MB)
-
-
-def plan_buckets(
-    params: Sequence[tuple[int, torch.dtype]],
-    cap_bytes: int | None,
-    first_cap_bytes: int | None = None,
-) -> list[BucketSpec]:
-    """Group parameters, given as ``(numel, dtype)`` in registration order, into buckets.
-
-    - ``cap_bytes == 0``: every parameter is its own bucket.
-    - ``cap_bytes > 0``: walking parameters in reverse registration order, a bucket is closed
-      before it would exceed the cap; a parameter larger than the cap gets a bucket of its own.
-    - ``cap_bytes is None``: one bucket (per dtype: a flat buffer holds a single dtype).
-
-    ``first_cap_bytes`` (with a positive ``cap_bytes``) closes the first bucket as soon as it
-    holds that many bytes (never more than ``cap_bytes``): the last layers' gradients are ready
-    first, and a small first bucket starts communication sooner instead of waiting for 25 MB of
-    gradients (torch DDP does the same with 1 MB).
-
-    Buckets are numbered in the order they close, which is the order they are launched in.
-    """
-    specs: list[BucketSpec] = []
-    open_: dict[torch.dtype, list[int]] = {}
-    open_bytes: dict[torch.dtype, int] = {}
-
-    def close(dtype: torch.dtype) -> None:
-        members = open_.pop(dtype)
-        open_bytes.pop(dtype)
-        offsets, total = [], 0
-        for i in members:
-            offsets.append(total)
-            total += params[i][0]
-        specs.append(BucketSpec(len(specs), dtype, tuple(members), tuple(offsets), total))
-
-    for i in reversed(range(len(params))):
-        numel, dtype = params[i]
-        nbytes = numel * torch.empty((), dtype=dtype).element_size()
-        if (
-            cap_bytes is not None
-            and dtype in open_
-            and (cap_bytes == 0 or open_bytes[dtype] + nbytes > cap_bytes)
-        ):
-            close(dtype)
-        open_.setdefault(dtype, []).append(i)
-        open_bytes[dtype] = open_bytes.get(dtype, 0) + nbytes
-        if cap_bytes and first_cap_bytes is not None and not specs:
-            if open_bytes[dtype] >= first_cap_bytes:
-                close(dtype)  # the first bucket goes as soon as it holds first_cap_bytes
-    for dtype in list(open_):
-        close(dtype)
-    return specs
 
 
 class Bucket:
     """One flat buffer of gradients plus a used flag per parameter, and its fill state.
 
-    A DTensor parameter (``layouts[slot]`` is its :class:`~gradsync.mesh.dtensors.GradLayout`)
-    occupies the size of its local shard, and gets its reduced gradient back as a DTensor.
+    Each gradient is copied in (times the pre-division) once the whole bucket has arrived
+    (:meth:`gather`), and the reduced gradients are copied back out (:meth:`results`). A
+    DTensor parameter (``layouts[slot]`` is its :class:`~gradsync.mesh.dtensors.GradLayout`)
+    occupies the size of its local shard and gets its reduced gradient back as a DTensor.
+    ``as_view`` (``gradient_as_bucket_view``): ``.grad`` becomes a view of the buffer.
     """
 
     def __init__(
         self,
         spec: BucketSpec,
         params: Sequence[nn.Parameter],
+        *,
+        as_view: bool = False,
         num_tags: int = 0,
         layouts: Sequence[GradLayout | None] | None = None,
         padded_numel: int | None = None,
-        accumulates: bool = False,
     ) -> None:
         self.spec = spec
-        # Hooks add gradients into the buffer and free .grad: [Note: main gradients].
-        self.accumulates = accumulates
         self.params = list(params)
+        self.as_view = as_view
         self.layouts = list(layouts) if layouts is not None else [None] * len(self.params)
         device = self.params[0].device
         n_flags = len(params)
@@ -237,31 +67,22 @@ class Bucket:
         self.filled_late = False  # some slot was filled at the end of backward, not by a hook
         self.work = None
 
+    # -- in: from autograd's hooks, then at the end of backward ------------------------------
     def arrive(self, slot: int) -> None:
         """``params[slot]``'s hook fired: its gradient is final for this backward. The copy
         into the buffer waits for :meth:`gather`, once the whole bucket has arrived."""
         self.ready[slot] = True
         self.pending -= 1
-        if self.accumulates:
-            self.accumulate(slot)
-        else:
-            self.arrived.append(slot)
+        self.arrived.append(slot)
 
     def accumulate(self, slot: int) -> None:
-        """Add ``params[slot].grad`` to its slot in the buffer's dtype and free it."""
-        param = self.params[slot]
-        if param.grad is not None:
-            self.views[slot].add_(param.grad)
-            param.grad = None
+        """``params[slot]``'s hook fired under ``no_sync()``: autograd keeps adding the window's
+        gradients into ``.grad``, where they stay until the synchronised backward."""
 
-    def gather(self, as_view: bool, scale: float | None) -> None:
+    def gather(self, scale: float | None) -> None:
         """Copy (times ``scale``) every arrived gradient into the buffer: one ``_foreach_copy_``
         and one ``_foreach_mul_`` for the bucket instead of a copy per hook, which is what
         keeps the per-parameter cost of the hook path low (a kernel launch each, on a GPU)."""
-        if self.accumulates:  # everything is in the buffer already, unscaled
-            if scale is not None:
-                self.grads.mul_(scale)
-            return
         dst: list[torch.Tensor] = []
         src: list[torch.Tensor] = []
         in_place: list[torch.Tensor] = []  # .grad already is the view (gradient_as_bucket_view)
@@ -269,13 +90,13 @@ class Bucket:
             param, view = self.params[slot], self.views[slot]
             grad = param.grad
             if self.layouts[slot] is not None or grad is None:
-                self._copy_in(slot, as_view, scale)  # DTensor: see [Note: Partial gradients]
+                self._copy_in(slot, scale, self.as_view)  # DTensor: [Note: Partial gradients]
             elif grad.data_ptr() == view.data_ptr():
                 in_place.append(view)
             else:
                 dst.append(view)
                 src.append(grad)
-                if as_view:
+                if self.as_view:
                     param.grad = view
         self.arrived = []
         if dst and scale is not None and self.buffer.device.type == "cpu":
@@ -290,25 +111,22 @@ class Bucket:
         if scale is not None and (dst or in_place):
             torch._foreach_mul_(dst + in_place, scale)
 
-    def mark_param_as_ready(
-        self, slot: int, as_view: bool, scale: float | None = None, zeros: bool = False
-    ) -> None:
+    def fill_late(self, slot: int, scale: float | None, zeros: bool = False) -> None:
         """Put ``params[slot].grad`` times ``scale`` (zeros if it has none, or if ``zeros``)
         into the buffer now: for a slot filled at the end of backward, not by its hook."""
         assert not self.ready[slot], "a parameter was marked ready twice in one backward"
-        self._copy_in(slot, as_view, scale, zeros)
+        self.filled_late = True
+        self._copy_in(slot, scale, False, zeros)
         self.ready[slot] = True
         self.pending -= 1
 
-    def _copy_in(self, slot: int, as_view: bool, scale: float | None, zeros: bool = False) -> None:
+    def _copy_in(
+        self, slot: int, scale: float | None, view_grad: bool, zeros: bool = False
+    ) -> None:
         # Scaling while copying saves a second pass over the gradient, as torch DDP does with
         # its pre-division.
         param, view, layout = self.params[slot], self.views[slot], self.layouts[slot]
         grad = param.grad
-        if self.accumulates:  # the slot holds what the window accumulated; scaled in gather
-            if zeros:
-                view.zero_()
-            return
         if grad is None or zeros:
             view.zero_()
             return
@@ -319,28 +137,23 @@ class Bucket:
                 view.copy_(grad)
             else:
                 torch.mul(grad, scale, out=view)
-            if as_view:
+            if view_grad:
                 param.grad = view if layout is None else layout.wrap(view)
         elif scale is not None:
             view.mul_(scale)  # .grad already is the view (gradient_as_bucket_view)
 
-    def results(
-        self, counts: Sequence[float], as_view: bool
-    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    # -- out: the reduced gradients ----------------------------------------------------------
+    def results(self, counts: Sequence[float]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Give every parameter used on some rank (``counts``) its reduced gradient; returns
         the ``(destination, source)`` pairs that are copies, to be done in one batch."""
         copies, fresh = [], []
         for slot, count in enumerate(counts):
             if count == 0:
                 continue  # unused on every rank: like one process, leave .grad as it was
-            if (
-                self.params[slot].grad is None
-                and self.layouts[slot] is None
-                and not (as_view or self.accumulates)
-            ):
+            if self.params[slot].grad is None and self.layouts[slot] is None and not self.as_view:
                 fresh.append(slot)
                 continue
-            copy = self.write_back(slot, as_view)
+            copy = self.write_back(slot)
             if copy is not None:
                 copies.append(copy)
         self._new_grads(fresh)
@@ -369,18 +182,12 @@ class Bucket:
             start = offsets[slot] - lo
             self.params[slot].grad = span[start : start + view.numel()].view(view.shape)
 
-    def write_back(self, slot: int, as_view: bool) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def write_back(self, slot: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Give ``params[slot]`` its reduced gradient; returns ``(destination, source)`` when
         that is a copy, so the caller can batch all copies into one ``_foreach_copy_``."""
         param, view, layout = self.params[slot], self.views[slot], self.layouts[slot]
         grad = param.grad
-        if self.accumulates:
-            param.main_grad = view  # type: ignore[attr-defined]
-            if grad is None:
-                param.grad = view.to(param.dtype, copy=True)
-                return None
-            return grad, view
-        if as_view:
+        if self.as_view:
             param.grad = view if layout is None else layout.wrap(view)
         elif grad is None:  # a DTensor's: a plain one without .grad is given it by _new_grads
             assert layout is not None
@@ -390,3 +197,52 @@ class Bucket:
         else:
             return local(grad), view
         return None
+
+
+class AccumulatingBucket(Bucket):
+    """A bucket that owns its parameters' gradients (``main_grad_dtype``): each hook adds the
+    gradient, as autograd produced it, into the buffer in the buffer's dtype and frees
+    ``.grad``, under ``no_sync()`` too; the window's sum is scaled in place before the
+    communication, and after it ``p.main_grad`` is a view of the buffer and ``.grad`` that
+    gradient rounded to the parameter's dtype. See [Note: main gradients] in ``main_grads.py``
+    (no DTensor parameters, no ``gradient_as_bucket_view``: the wrapper refuses both).
+    """
+
+    def arrive(self, slot: int) -> None:
+        self.ready[slot] = True
+        self.pending -= 1
+        self.accumulate(slot)
+
+    def accumulate(self, slot: int) -> None:
+        """Add ``params[slot].grad`` to its slot in the buffer's dtype and free it."""
+        param = self.params[slot]
+        if param.grad is not None:
+            self.views[slot].add_(param.grad)
+            param.grad = None
+
+    def gather(self, scale: float | None) -> None:
+        if scale is not None:  # everything is in the buffer already, unscaled
+            self.grads.mul_(scale)
+
+    def _copy_in(
+        self, slot: int, scale: float | None, view_grad: bool, zeros: bool = False
+    ) -> None:
+        if zeros:  # else the slot holds what the window accumulated, scaled in gather
+            self.views[slot].zero_()
+
+    def results(self, counts: Sequence[float]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        copies = []
+        for slot, count in enumerate(counts):
+            if count != 0:  # unused on every rank: like one process, leave .grad as it was
+                copy = self.write_back(slot)
+                if copy is not None:
+                    copies.append(copy)
+        return copies
+
+    def write_back(self, slot: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        param, view = self.params[slot], self.views[slot]
+        param.main_grad = view  # type: ignore[attr-defined]
+        if param.grad is None:
+            param.grad = view.to(param.dtype, copy=True)
+            return None
+        return param.grad, view

@@ -8,8 +8,8 @@ loop: for each round in which others are still active, it issues the same collec
 tag and zero items, so the others' reductions complete and average over the ranks that still
 had data. When a handshake sums to zero, all ranks are done.
 
-The protocol runs on gradsync's private process group (``group.py``), so a collective the active
-ranks issue on their own group (a logging all_reduce, say) can never be matched with a
+The protocol runs on gradsync's private process group (``failfast/group.py``), so a collective
+the active ranks issue on their own group (a logging all_reduce, say) can never be matched with a
 handshake: the waiting rank reaches its deadline and raises, naming what it waited for, instead
 of mixing unrelated tensors. Compare torch's ``Join`` context manager (pytorch RFC #38174),
 which this follows in spirit.
@@ -22,8 +22,8 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from gradsync.ddp.deadline import Deadline
 from gradsync.ddp.reducer import Reducer
+from gradsync.failfast.deadline import Deadline
 
 
 class JoinProtocol:

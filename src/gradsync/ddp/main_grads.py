@@ -47,17 +47,8 @@ zeroes at once: it is the next window's first micro-batch, whose gradients are o
 (Zeroing lazily, at the window's first gradient, would avoid the copy; only an eval forward
 with grad enabled pays it, and ``torch.no_grad()`` avoids it.)
 
-[Note: clipping main gradients]
-``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)`` scales ``.grad``. An optimizer that
-steps on ``main_grad`` (:class:`gradsync.optim.MasterWeights`) never reads ``.grad``, so that
-clipping, or any other change to ``.grad`` between the backward and the step (a loss scaler's
-unscale, a custom gradient filter), would be silently ignored: a loss spike goes through
-unclipped. So after each reduction the wrapper records the in-place version of every
-``.grad`` (:func:`stamp_grads`; a Python attribute, no device work), and ``MasterWeights.step``
-refuses a ``.grad`` whose version moved since, naming the fix: ``opt.clip_grad_norm_``, which
-clips ``main_grad`` (and ``.grad`` alike). torch's ``clip_grad_norm_`` scales every gradient
-even when the norm is below the limit, so the refusal comes at the first step, not at the
-first spike.
+The refusal of a ``.grad`` changed after the reduction (torch's ``clip_grad_norm_`` on
+``model.parameters()``) is [Note: clipping main gradients] in ``gradsync/optim/master.py``.
 """
 
 from __future__ import annotations
@@ -140,21 +131,3 @@ def _keep_main_grads(bucket: Bucket) -> None:
         offset, view = bucket.spec.offsets[slot], bucket.views[slot]
         kept = copy[offset : offset + view.numel()].view(view.shape)
         param.main_grad = kept  # type: ignore[attr-defined]
-
-
-GRAD_VERSION = "_gradsync_grad_version"  # .grad's in-place version when it was last stamped
-
-
-def stamp_grads(params: Sequence[torch.Tensor]) -> None:
-    """Record the in-place version of every ``.grad`` in ``params``: after the reduction wrote
-    them, and after a clipping that scaled ``main_grad`` and ``.grad`` alike ([Note: clipping
-    main gradients])."""
-    for param in params:
-        if param.grad is not None:
-            setattr(param, GRAD_VERSION, param.grad._version)
-
-
-def grad_changed(param: torch.Tensor) -> bool:
-    """Whether ``param.grad`` was changed in place since it was last stamped."""
-    grad = param.grad
-    return grad is not None and getattr(param, GRAD_VERSION, grad._version) != grad._version

@@ -25,42 +25,52 @@ from __future__ import annotations
 import enum
 import weakref
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 from torch.utils.hooks import RemovableHandle
 
 from gradsync.comm import CommHook
-from gradsync.ddp.buckets import Bucket, BucketSpec
-from gradsync.ddp.deadline import Deadline
-from gradsync.ddp.main_grads import stamp_grads, start_window
-from gradsync.ddp.param_watch import ParameterWatch
-from gradsync.ddp.reduction import Reduction
-from gradsync.ddp.results import read_results
-from gradsync.ddp.step_checks import (
-    check_tags,
+from gradsync.ddp.buckets import AccumulatingBucket, Bucket
+from gradsync.ddp.checks.param_watch import ParameterWatch
+from gradsync.ddp.checks.readout import read_step
+from gradsync.ddp.checks.tags import NO_ITEMS, NUM_FIELDS, PARAMS_CHANGED, StepTag, TagSlots
+from gradsync.ddp.checks.verdicts import (
+    StepContext,
     gradient_twice,
     gradient_without_forward,
+    judge,
     nonfinite_params,
-    raise_if_unused,
-    raise_nonfinite,
 )
-from gradsync.ddp.step_tags import (
-    NO_ITEMS,
-    NUM_FIELDS,
-    PARAMS_CHANGED,
-    StepTag,
-    TagSlots,
-)
-from gradsync.errors import GradsyncError, ProtocolError
+from gradsync.ddp.main_grads import start_window
+from gradsync.ddp.options import SyncOptions
+from gradsync.ddp.plan import BucketSpec
+from gradsync.ddp.reduction import Reduction
+from gradsync.errors import GradsyncError, NonFiniteGradientError, ProtocolError
+from gradsync.failfast.deadline import Deadline
 from gradsync.mesh.dtensors import GradLayout
+from gradsync.optim.master import stamp_grads
 
-if TYPE_CHECKING:
-    from gradsync.optim.overlap import GradientShards
+# id(parameter) -> the live reducer whose hooks it carries. Wrapping parameters again retires
+# the old reducer (removes its hooks): a re-wrap works, and the old wrapper says so if used.
+# Weak: an entry goes with its reducer, so this map never keeps a model alive.
+_OWNERS: weakref.WeakValueDictionary[int, Reducer] = weakref.WeakValueDictionary()
 
-# id(parameter) -> the reducer whose hooks it carries. Wrapping parameters again retires the
-# old reducer (removes its hooks): a re-wrap works, and the old wrapper says so if used.
-_OWNERS: dict[int, weakref.ref[Reducer]] = {}
+
+class GradientShards(Protocol):
+    """What the reducer needs of ZeRO's gradient shards (``sharding.py``): with them, each
+    rank keeps its slice of every bucket's reduced gradients instead of ``.grad``."""
+
+    @property
+    def padded_numels(self) -> Sequence[int]: ...  # per bucket: gradients padded to slices
+    @property
+    def grad_shards(self) -> Sequence[torch.Tensor]: ...  # per bucket: this rank's slice
+
+    def receive(self, buckets: Sequence[Bucket], counts: Sequence[Sequence[float]]) -> None:
+        """After a reduction: note the parameters unused everywhere; clear ``.grad``."""
+
+    def wait_all(self) -> None:
+        """Wait for every parameter all-gather still in flight."""
 
 
 class _Phase(enum.Enum):
@@ -85,45 +95,32 @@ class Reducer:
         self,
         watch: ParameterWatch,
         specs: Sequence[BucketSpec],
+        options: SyncOptions,
         *,
         deadline: Deadline,
         comm_hook: CommHook,
         reduction: Reduction,
-        find_unused_parameters: bool,
-        gradient_as_bucket_view: bool,
-        check_finite: bool = False,
         layouts: Sequence[GradLayout | None] = (),
         sharding: GradientShards | None = None,
-        main_grads: bool = False,
     ) -> None:
         # named_parameters() yields a tied parameter once, so it is reduced once.
         trainable = [(n, p) for n, p in watch.named if p.requires_grad]
         self.names = [n for n, _ in trainable]
         self.params = [p for _, p in trainable]
+        self.specs = list(specs)
+        self.options = options
         self.watch = watch
         self.deadline = deadline
         self.comm_hook = comm_hook
         self.reduction = reduction
-        self.find_unused_parameters = find_unused_parameters
-        self.gradient_as_bucket_view = gradient_as_bucket_view
         # On CUDA a host-side wait blocks until the GPU is done; see Deadline.wait.
         self.host_deadline = not (bool(self.params) and self.params[0].is_cuda)
-        self.check_finite = check_finite
         self.world_size = deadline.world_size
         self.rank = deadline.rank
-        num_tags = NUM_FIELDS * self.world_size  # in the first bucket only: [Note: step tags]
-        self.layouts = layouts = list(layouts) or [None] * len(self.params)  # DTensors only
-        self.sharding = sharding  # see [Note: sharded steps in the wrapper]
-        self.main_grads = main_grads  # see [Note: main gradients] in main_grads.py
-        self.buckets = [
-            Bucket(
-                s, [self.params[i] for i in s.param_indices], num_tags * (b == 0),
-                [layouts[i] for i in s.param_indices],
-                sharding.padded_numels[b] if sharding is not None else None,
-                accumulates=main_grads,
-            )
-            for b, s in enumerate(specs)
-        ]  # fmt: skip
+        self.layouts = list(layouts) or [None] * len(self.params)  # DTensors only
+        self.sharding = sharding  # see [Note: sharded steps in the wrapper] in sharding.py
+        self.main_grads = options.main_grads  # see [Note: main gradients] in main_grads.py
+        self.buckets = [self._bucket(b, spec) for b, spec in enumerate(specs)]
         self.location = {  # param index -> (bucket index, slot in bucket)
             i: (b, slot) for b, s in enumerate(specs) for slot, i in enumerate(s.param_indices)
         }
@@ -141,17 +138,93 @@ class Reducer:
         self._local_nonfinite: list[str] = []
         self._hooks = self._take_over_parameters()
 
+    def _bucket(self, b: int, spec: BucketSpec) -> Bucket:
+        kind = AccumulatingBucket if self.main_grads else Bucket
+        return kind(
+            spec, [self.params[i] for i in spec.param_indices],
+            as_view=self.options.gradient_as_bucket_view,
+            num_tags=NUM_FIELDS * self.world_size if b == 0 else 0,  # [Note: step tags]
+            layouts=[self.layouts[i] for i in spec.param_indices],
+            padded_numel=self.sharding.padded_numels[b] if self.sharding is not None else None,
+        )  # fmt: skip
+
     def _take_over_parameters(self) -> list[RemovableHandle]:
         for p in self.params:
-            owner = _OWNERS.get(id(p))
-            previous = owner() if owner is not None else None
+            previous = _OWNERS.get(id(p))
             if previous is not None and previous is not self:
                 previous.retire()
-            _OWNERS[id(p)] = weakref.ref(self)
+            _OWNERS[id(p)] = self
+        # The hooks hold the reducer weakly: a parameter's hooks live in C++, where Python's
+        # garbage collector cannot see a cycle through them back to the module.
+        me = weakref.ref(self)
         return [
-            p.register_post_accumulate_grad_hook(self._make_hook(i))
+            p.register_post_accumulate_grad_hook(_grad_hook(me, i, *self.location[i]))
             for i, p in enumerate(self.params)
         ]
+
+    @classmethod
+    def succeed(
+        cls,
+        old: Reducer,
+        specs: Sequence[BucketSpec],
+        *,
+        comm_hook: CommHook | None = None,
+        sharding: GradientShards | None = None,
+    ) -> Reducer:
+        """A reducer of ``old``'s parameters, options, watch and reduction with other buckets
+        (and comm hook or sharding, if given); building it retires ``old``. Call it only
+        between optimizer steps. It continues:
+
+        - the step count, so that step tags and checkpoints go on (the same parameter watch);
+        - the window, if one is open. Between a reduction and the next training forward no
+          training micro-batch is pending, but an eval-mode forward with grad enabled opens a
+          window (see [Note: eval forwards keep main gradients] in ``main_grads.py``), and
+          under ``no_sync()`` its backward's gradients wait for the next synchronised step. The
+          new reducer takes over which parameters were used (without them a parameter that
+          only the eval backward reached counts as unused everywhere, and each rank keeps its
+          own ``.grad``) and, with main gradients, the gradients themselves;
+        - else, with main gradients, every ``p.main_grad``, moved to its new slot.
+        """
+        phase = old.phase  # before the new reducer retires the old one
+        new = cls(
+            old.watch, specs, old.options, deadline=old.deadline,
+            comm_hook=old.comm_hook if comm_hook is None else comm_hook,
+            reduction=old.reduction, layouts=old.layouts, sharding=sharding,
+        )  # fmt: skip
+        new.num_reductions = old.num_reductions  # the same watch: step tags continue
+        if phase in (_Phase.ACCUMULATING, _Phase.ARMED):
+            new._continue_window(old, phase)
+        elif new.main_grads:
+            new._move_main_grads()
+        return new
+
+    def _continue_window(self, old: Reducer, phase: _Phase) -> None:
+        self.phase, self.used, self.num_active = phase, old.used, old.num_active
+        self.window_forwards, self.window_no_sync = old.window_forwards, old.window_no_sync
+        self.changes = old.changes
+        if not self.main_grads:
+            return  # the window's gradients are in .grad, where autograd put them
+        for index, (b, slot) in self.location.items():
+            old_b, old_slot = old.location[index]
+            self.buckets[b].views[slot].copy_(old.buckets[old_b].views[old_slot])
+
+    def _move_main_grads(self) -> None:
+        """Point every ``p.main_grad`` at its slot in this reducer's buckets, keeping its value.
+
+        The reduction writes ``main_grad`` only for parameters used on some rank; one unused
+        on every rank keeps the view it had. Left in the retired buckets, which no forward
+        zeroes any more, it would hold an old step's gradient for an optimizer to step on,
+        where the fixed plan (and one process) gives zeros. (A window an eval forward opened
+        is continued instead: ``main_grad`` then holds a copy of the last reduction, not a
+        view of the buckets; see [Note: eval forwards keep main gradients].)"""
+        for index, param in enumerate(self.params):
+            main = getattr(param, "main_grad", None)
+            if main is None:
+                continue  # never reduced: no main_grad yet, as with the fixed plan
+            b, slot = self.location[index]
+            view = self.buckets[b].views[slot]
+            view.copy_(main)
+            param.main_grad = view  # type: ignore[attr-defined]
 
     def resume_from(self, num_reductions: int) -> None:
         """Continue the step count of a checkpoint whose parameters were loaded on every rank."""
@@ -159,11 +232,21 @@ class Reducer:
         self.watch.rebase()  # loading wrote the parameters in place on every rank alike
 
     def retire(self) -> None:
-        """Remove this reducer's hooks: a newer wrapper of the same parameters replaces it."""
+        """Remove this reducer's hooks: a newer reducer of the same parameters replaces it."""
         for handle in self._hooks:
             handle.remove()
         self._hooks = []
         self.phase = _Phase.RETIRED
+
+    @property
+    def reducing(self) -> bool:
+        """Inside a synchronised backward: buckets are being launched."""
+        return self.phase is _Phase.REDUCING
+
+    @property
+    def window_open(self) -> bool:
+        """A training forward ran since the last reduction: gradients of a step are pending."""
+        return self.window_forwards > 0
 
     # -- forward side ---------------------------------------------------------------------
     def check_forward_allowed(self) -> None:
@@ -203,18 +286,6 @@ class Reducer:
         self.reduction.count_items(num_items)
 
     # -- backward side --------------------------------------------------------------------
-    def _make_hook(self, index: int) -> Callable[[torch.Tensor], None]:
-        b, slot = self.location[index]
-
-        def hook(param: torch.Tensor) -> None:
-            try:
-                self._on_grad_ready(index, b, slot)
-            except GradsyncError as exc:
-                self.deadline.record_error(exc)  # so that the peers' timeout can name it
-                raise
-
-        return hook
-
     def _on_grad_ready(self, index: int, b: int, slot: int) -> None:
         # Runs once per parameter per backward: keep it short (benchmarks/hook_overhead.py).
         self.used[index] = True
@@ -222,8 +293,7 @@ class Reducer:
         if phase is _Phase.REDUCING:
             pass
         elif phase is _Phase.ACCUMULATING:
-            if self.main_grads:
-                self.buckets[b].accumulate(slot)
+            self.buckets[b].accumulate(slot)  # main gradients add up in the bucket
             return
         elif phase is _Phase.UNPREPARED:
             raise gradient_without_forward(self.names[index], self.rank)
@@ -238,7 +308,7 @@ class Reducer:
 
     def _start_reduction(self) -> None:
         self.phase = _Phase.REDUCING
-        self._scale = self.reduction.pre_division(self.num_active)
+        self._scale = self._pre_division()
         self.deadline.begin(f"the gradient reduction of step {self.num_reductions}")
         self._write_tag(contributes=True)
         self.reduction.start_item_exchange(contributes=True)
@@ -246,6 +316,9 @@ class Reducer:
         torch.autograd.Variable._execution_engine.queue_callback(
             self.finish_gradient_synchronization
         )
+
+    def _pre_division(self) -> float | None:
+        return self.reduction.pre_division(self.num_active, self.comm_hook.divides_by)
 
     def _write_tag(self, contributes: bool) -> None:
         if self._tag_slots is None:
@@ -266,8 +339,8 @@ class Reducer:
             self.next_bucket += 1
 
     def _launch(self, bucket: Bucket) -> None:
-        bucket.gather(self.gradient_as_bucket_view, self._scale)
-        if self.check_finite:
+        bucket.gather(self._scale)
+        if self.options.check_finite:
             self._local_nonfinite += nonfinite_params(bucket, self.names)
         if bucket.filled_late:
             flags = [1.0 if self.used[i] else 0.0 for i in bucket.spec.param_indices]
@@ -305,31 +378,22 @@ class Reducer:
         try:
             self._launch_remaining(zeros=shadow)
             self._wait_all()
-            counts, finite, total_items, tags = read_results(
-                self.buckets, self.check_finite, self.reduction, self.world_size, self.used,
-                self._tag_slots,
+            readout = read_step(
+                self.buckets, self.options.check_finite, self.reduction, self.world_size,
+                self.used, self._tag_slots,
             )  # fmt: skip
-            if tags is not None:
-                windows = not self.reduction.counts_items  # see step_tags.find_desync
-                check_tags(
-                    tags, self.deadline, self.num_reductions, self.watch, self.changes, windows
-                )
-            if finite is not None and not all(finite):
-                self.comm_hook.discard_step()
-                bad = [b for b, ok in enumerate(finite) if not ok]
-                raise_nonfinite(bad, self._local_nonfinite, self.deadline)
-            if not self.find_unused_parameters:
-                specs = [b.spec for b in self.buckets]
-                raise_if_unused(
-                    specs, counts, self.names, self.used, self.num_active, self.deadline
-                )
+            try:
+                judge(readout, self._step_context())
+            except NonFiniteGradientError:
+                self.comm_hook.discard_step()  # the step is skipped: so is its hook state
+                raise
             if self.sharding is None:
-                self.reduction.post_divide([b.grads for b in self.buckets], total_items)
+                self.reduction.post_divide([b.grads for b in self.buckets], readout.total_items)
                 if write_back:
-                    self._write_back(counts)
+                    self._write_back(readout.counts)
             else:  # each rank holds its shard of the reduced gradients, not .grad
-                self.reduction.post_divide(self.sharding.grad_shards, total_items)
-                self.sharding.receive(self.buckets, counts)
+                self.reduction.post_divide(list(self.sharding.grad_shards), readout.total_items)
+                self.sharding.receive(self.buckets, readout.counts)
             self.num_reductions += 1
         except GradsyncError as exc:
             self.deadline.record_error(exc)
@@ -337,14 +401,22 @@ class Reducer:
         finally:
             self._reset()
 
+    def _step_context(self) -> StepContext:
+        return StepContext(
+            deadline=self.deadline, specs=self.specs, names=self.names, used=self.used,
+            num_active=self.num_active, num_reductions=self.num_reductions, watch=self.watch,
+            changes=self.changes, nonfinite_here=self._local_nonfinite,
+            compare_windows=not self.reduction.counts_items,  # see tags.find_desync
+            find_unused_parameters=self.options.find_unused_parameters,
+        )  # fmt: skip
+
     def _launch_remaining(self, zeros: bool) -> None:
         # Buckets holding parameters without a gradient in this pass never filled up.
-        scale = self._scale = self.reduction.pre_division(self.num_active)
+        scale = self._scale = self._pre_division()
         for bucket in self.buckets[self.next_bucket :]:
             for slot in range(len(bucket.params)):
                 if not bucket.ready[slot]:
-                    bucket.filled_late = True
-                    bucket.mark_param_as_ready(slot, False, scale, zeros=zeros)
+                    bucket.fill_late(slot, scale, zeros=zeros)
         self._launch_ready_buckets()
         assert self.next_bucket == len(self.buckets)
 
@@ -370,9 +442,27 @@ class Reducer:
         self.phase = _Phase.UNPREPARED
 
     def _write_back(self, counts: list[list[float]]) -> None:
-        view = self.gradient_as_bucket_view
-        copies = [c for b, n in zip(self.buckets, counts, strict=True) for c in b.results(n, view)]
+        copies = [c for b, n in zip(self.buckets, counts, strict=True) for c in b.results(n)]
         if copies:  # one call instead of one per parameter
             torch._foreach_copy_([dst for dst, _ in copies], [src for _, src in copies])
         if self.main_grads:
             stamp_grads(self.params)  # [Note: clipping main gradients]
+
+
+def _grad_hook(
+    reducer: weakref.ref[Reducer], index: int, b: int, slot: int
+) -> Callable[[torch.Tensor], None]:
+    """The post-accumulate-grad hook of trainable parameter ``index`` (slot ``slot`` of bucket
+    ``b``): a no-op once its reducer is gone (a wrapper dropped without a successor)."""
+
+    def hook(param: torch.Tensor) -> None:
+        owner = reducer()
+        if owner is None:
+            return
+        try:
+            owner._on_grad_ready(index, b, slot)
+        except GradsyncError as exc:
+            owner.deadline.record_error(exc)  # so that the peers' timeout can name it
+            raise
+
+    return hook

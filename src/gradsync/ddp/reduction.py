@@ -27,8 +27,8 @@ import math
 import torch
 import torch.distributed as dist
 
-from gradsync.comm import Handle
 from gradsync.errors import UsageError
+from gradsync.failfast.deadline import Handle
 
 REDUCTIONS = ("mean", "sum", "item_mean")
 
@@ -51,18 +51,19 @@ class Reduction:
         # The item exchange's buffer; float64 so counts stay exact far beyond 2**24.
         self.total_items = torch.zeros(1, dtype=torch.float64, device=device)
         self.exchange: Handle | None = None
-        # What the bucket communication divides its sum by: 1 for gradsync's hooks, the world
-        # size for torch's ddp_comm_hooks, which average (torch DDP hands them undivided
-        # gradients). Pre-division multiplies by it, so the result means the same either way.
-        self.wire_divides = 1
 
     @property
     def counts_items(self) -> bool:
         return self.name == "item_mean"
 
-    def pre_division(self, num_active: int) -> float | None:
-        """The factor each rank's gradient is multiplied by before the sum (``None``: 1)."""
-        factor = float(self.wire_divides)
+    def pre_division(self, num_active: int, wire_divides: int = 1) -> float | None:
+        """The factor each rank's gradient is multiplied by before the sum (``None``: 1).
+
+        ``wire_divides``: what the bucket communication divides its sum by
+        (``CommHook.divides_by``): 1 for gradsync's hooks, the world size for torch's
+        ``ddp_comm_hooks``, which average (torch DDP hands them undivided gradients).
+        Multiplying by it keeps the result's meaning the same either way."""
+        factor = float(wire_divides)
         if self.name == "mean":
             factor /= num_active
         return None if factor == 1.0 else factor

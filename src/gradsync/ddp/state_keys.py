@@ -1,12 +1,14 @@
 """What a checkpoint holds of a wrapper: the module's keys without the prefixes wrapping adds,
-and gradsync's own training state (step counter, last replica check, compression state)."""
+and the checks on gradsync's own training state (step counter, last replica check,
+compression state; saved and loaded by the wrapper's ``sync_state_dict``)."""
 
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping
 from typing import Any
 
-from gradsync.errors import ProtocolError, UsageError
+from gradsync.comm import CommHook
+from gradsync.errors import ProtocolError
 
 _PREFIXES = ("module.", "_orig_mod.")  # added by wrapping in DDP and by torch.compile
 
@@ -35,45 +37,22 @@ def strip_prefixes(
     return max(versions, key=lambda version: len(own.intersection(version)))
 
 
-def sync_state(wrapper: Any) -> dict[str, Any]:
-    """``DistributedDataParallel.sync_state_dict()``; refuses inside a window or ``join()``."""
-    if wrapper.reducer.window_forwards or wrapper._joining:
-        where = "inside join()" if wrapper._joining else "inside an accumulation window"
+def refuse_mid_step(window_open: bool, joining: bool) -> None:
+    """A checkpoint of gradsync's state is refused inside an accumulation window or ``join()``:
+    the gradients accumulated so far would be lost."""
+    if window_open or joining:
+        where = "inside join()" if joining else "inside an accumulation window"
         raise ProtocolError(
             f"a checkpoint was requested {where}: the gradients accumulated so far would "
             "be lost; save after optimizer.step(), outside join()"
         )
-    state: dict[str, Any] = {
-        "num_reductions": wrapper.reducer.num_reductions,
-        "replicas_checked_at": wrapper._replicas_checked_at,
-    }
-    comm = wrapper.reducer.comm_hook.state_dict()
-    if comm:
-        state["comm"] = comm
-    return state
 
 
-def load_sync_state(wrapper: Any, state: Mapping[str, Any]) -> None:
-    """``DistributedDataParallel.load_sync_state_dict()``: a collective (one small
-    all-gather), so that a state one rank cannot load is refused on every rank before any
-    rank has changed anything."""
-    sync_state(wrapper)  # the same refusal
-    problem = _comm_problem(wrapper, state)
-    every = wrapper._deadline.gather_objects(problem, "the check of the loaded sync state")
-    bad = [f"rank {r}: {p}" for r, p in enumerate(every) if p is not None]
-    if bad:
-        raise UsageError("cannot load this sync state; nothing was loaded.\n" + "\n".join(bad))
-    wrapper.reducer.resume_from(int(state["num_reductions"]))
-    wrapper._replicas_checked_at = int(state["replicas_checked_at"])
-    if "comm" in state:
-        wrapper.reducer.comm_hook.load_state_dict(state["comm"])
-
-
-def _comm_problem(wrapper: Any, state: Mapping[str, Any]) -> str | None:
-    """Why this rank cannot load the compression state of ``state``, or ``None``."""
-    hook = wrapper.reducer.comm_hook
+def comm_state_problem(hook: CommHook, compression: str, state: Mapping[str, Any]) -> str | None:
+    """Why this rank cannot load the compression state of ``state`` (a sync state dict) into
+    ``hook``, the comm hook of a wrapper with ``compression``, or ``None``."""
     keeps = bool(hook.state_dict())
-    compression = f"compression={wrapper._compression_name}"
+    compression = f"compression={compression}"
     if keeps and "comm" not in state:
         return f"it holds no compression state, and this wrapper's {compression} keeps some"
     if not keeps and "comm" in state:

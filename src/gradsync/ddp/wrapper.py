@@ -17,31 +17,25 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from gradsync.comm import AllReduceAlgorithm, get_algorithm, torch_hooks
-from gradsync.comm.formats import (
-    Compression,
-    describe_compression,
-    describe_compression_state,
-    make_comm_hook,
-    wire_bytes,
-)
-from gradsync.ddp import buckets
+from gradsync.comm import AllReduceAlgorithm, CommHook, torch_hooks
+from gradsync.comm.formats import Compression, describe_compression, make_comm_hook, wire_bytes
+from gradsync.ddp import sharding
 from gradsync.ddp.autoplan import BucketPlan
 from gradsync.ddp.autotune import AutoBuckets
-from gradsync.ddp.buckets import SCALED, BucketSpec, cap_to_bytes, plan_buckets, resolve_cap
-from gradsync.ddp.deadline import as_timedelta, new_wrapper_deadline
-from gradsync.ddp.diagnostics import check_can_wrap, check_replicas, warn_if_same_batch
+from gradsync.ddp.checks.diagnostics import check_can_wrap, check_replicas, warn_if_same_batch
+from gradsync.ddp.checks.model import check_same_model, describe, refuse_everywhere
+from gradsync.ddp.checks.param_watch import ParameterWatch
 from gradsync.ddp.join import JoinProtocol
 from gradsync.ddp.main_grads import check_main_grad_dtype
-from gradsync.ddp.param_watch import ParameterWatch
-from gradsync.ddp.reducer import Reducer
-from gradsync.ddp.reduction import Reduction, check_reduction
-from gradsync.ddp.replicas import broadcast_from, check_same_model, describe, refuse_everywhere
-from gradsync.ddp.state_keys import load_sync_state, strip_prefixes, sync_state
-from gradsync.errors import GradsyncError, UsageError
+from gradsync.ddp.options import SyncOptions
+from gradsync.ddp.plan import SCALED, BucketSpec, cap_to_bytes, plan_buckets, resolve_cap
+from gradsync.ddp.reducer import GradientShards, Reducer
+from gradsync.ddp.reduction import Reduction
+from gradsync.ddp.state_keys import comm_state_problem, refuse_mid_step, strip_prefixes
+from gradsync.errors import GradsyncError, ProtocolError, UsageError
+from gradsync.failfast.deadline import as_timedelta, new_wrapper_deadline
 from gradsync.mesh.axes import axis_names, data_parallel_group
 from gradsync.mesh.dtensors import grad_layouts, local
-from gradsync.optim.overlap import attach_sharded_optimizer
 from gradsync.optim.sharded import ShardedOptimizer
 
 
@@ -60,7 +54,7 @@ class DistributedDataParallel(nn.Module):
             stay DTensors with the parameter's placements. See ``gradsync/mesh/``.
         bucket_cap_mb: bucket size in MiB. ``"scaled"`` (the default): an eighth of the
             gradients' bytes, between 1 and 25 MiB (torch DDP's default from 200 MiB of
-            gradients on; see [Note: the default bucket cap] in ``buckets.py``); ``0``: one
+            gradients on; see [Note: the default bucket cap] in ``plan.py``); ``0``: one
             all-reduce per parameter; ``None``: one bucket (per dtype); ``"auto"``: chosen
             from this job's profile after a few steps (:attr:`bucket_plan`; see [Note:
             switching the bucket plan] in ``autotune.py``). :attr:`bucket_cap_mb` holds the
@@ -125,91 +119,118 @@ class DistributedDataParallel(nn.Module):
         check_can_wrap(module, DistributedDataParallel)
         self.module, self.device_mesh = module, device_mesh
         self.process_group = process_group = data_parallel_group(process_group, device_mesh)
-        self.timeout = as_timedelta(timeout)
-        self._deadline = new_wrapper_deadline(process_group, self.timeout)
+        deadline_s = as_timedelta(timeout)
+        self._deadline = new_wrapper_deadline(process_group, deadline_s)
         try:  # a refusal on one rank is raised on every rank, in place of the model check
-            check_reduction(reduction)
-            buckets.check_cap(first_bucket_cap_mb, "first_bucket_cap_mb", words=())
+            self.options = SyncOptions(
+                bucket_cap_mb=bucket_cap_mb, first_bucket_cap_mb=first_bucket_cap_mb,
+                find_unused_parameters=find_unused_parameters,
+                gradient_as_bucket_view=gradient_as_bucket_view,
+                broadcast_buffers=broadcast_buffers, reduction=reduction, algorithm=algorithm,
+                compression=compression, timeout=deadline_s, check_finite=check_finite,
+                check_replicas_every=check_replicas_every, main_grad_dtype=main_grad_dtype,
+            )  # fmt: skip
             self._layouts = grad_layouts(module.named_parameters(), process_group)
-            self.main_grad_dtype = check_main_grad_dtype(
-                main_grad_dtype, gradient_as_bucket_view, self._layouts, module
-            )
-            self.algorithm = get_algorithm(algorithm)
-            self._compression_name = describe_compression(compression)
-            self._autotune = AutoBuckets.create(bucket_cap_mb, first_bucket_cap_mb, compression)
+            check_main_grad_dtype(main_grad_dtype, gradient_as_bucket_view, self._layouts, module)
         except UsageError as exc:
             refuse_everywhere(exc, self._deadline)
-        self.reduction, self.broadcast_buffers = reduction, broadcast_buffers
-        self.compression, self.check_replicas_every = compression, check_replicas_every
-        # Every setting that changes which collectives run must agree across ranks.
-        settings = {
-            "bucket_cap_mb": bucket_cap_mb, "first_bucket_cap_mb": first_bucket_cap_mb,
-            "reduction": reduction, "find_unused_parameters": find_unused_parameters,
-            "gradient_as_bucket_view": gradient_as_bucket_view,
-            "broadcast_buffers": broadcast_buffers, "algorithm": self.algorithm.name,
-            "compression": self._compression_name, "check_finite": check_finite,
-            "check_replicas_every": check_replicas_every,
-            "device_mesh": axis_names(device_mesh), "main_grad_dtype": str(main_grad_dtype),
-            "compression state (load it on every rank)": describe_compression_state(compression),
-        }  # fmt: skip
-        self._make_replicas_equal(settings)
-        self.reducer = self._build_reducer(
-            bucket_cap_mb, first_bucket_cap_mb,
-            find_unused_parameters=find_unused_parameters,
-            gradient_as_bucket_view=gradient_as_bucket_view, check_finite=check_finite,
-        )  # fmt: skip
+        self._autotune = AutoBuckets(first_bucket_cap_mb) if self.options.auto else None
+        self._make_replicas_equal(self.options.settings(axis_names(device_mesh)))
+        self.reducer = self._first_reducer()
         self._require_sync = True
         self._replicas_checked_at = 0
         self._join_protocol = JoinProtocol(self._deadline)
         self._joining = False
+
+    # -- the settings, as torch DDP exposes them (read-only: they must agree across ranks) ----
+    @property
+    def reduction(self) -> str:
+        return self.options.reduction
+
+    @property
+    def broadcast_buffers(self) -> bool:
+        return self.options.broadcast_buffers
+
+    @property
+    def compression(self) -> Compression:
+        return self.options.compression
+
+    @property
+    def algorithm(self) -> AllReduceAlgorithm:
+        return self.options.all_reduce
+
+    @property
+    def timeout(self) -> timedelta:
+        return self.options.timeout
+
+    @property
+    def check_replicas_every(self) -> int:
+        return self.options.check_replicas_every
+
+    @property
+    def main_grad_dtype(self) -> torch.dtype | None:
+        return self.options.main_grad_dtype
+
+    @property
+    def bucket_specs(self) -> list[BucketSpec]:
+        """The layout of the buckets in use (``bucket_cap_mb="auto"`` may replace it)."""
+        return self.reducer.specs
 
     def _make_replicas_equal(self, settings: dict[str, Any]) -> None:
         """Check that every rank holds the same model and settings, then copy rank 0's state."""
         named_params = list(self.module.named_parameters())
         named_buffers = list(self.module.named_buffers())
         check_same_model(describe(named_params, named_buffers), settings, self._deadline)
-        broadcast_from(
+        self._deadline.broadcast(
             [p.data for _, p in named_params] + [b for _, b in named_buffers],
-            self._deadline,
             0,
             "the initial broadcast of rank 0's parameters and buffers",
         )
         self._buffers_to_sync = [b for _, b in named_buffers]
 
-    def _build_reducer(
-        self,
-        bucket_cap_mb: float | str | None,
-        first_bucket_cap_mb: float | None,
-        **options: Any,
-    ) -> Reducer:
+    # -- the reducer: built here, replaced only here -------------------------------------------
+    def _first_reducer(self) -> Reducer:
         """Plan the buckets of the trainable parameters and hook them up."""
-        watch = ParameterWatch(self.module)
+        options, watch = self.options, ParameterWatch(self.module)
         # named_parameters() already yields a tied parameter once, so it is reduced once.
         named = [(n, p) for n, p in watch.named if p.requires_grad]
         # (numel, dtype) of each trainable parameter's gradient as the buckets hold it.
         sizes = [(local(p).numel(), self.main_grad_dtype or p.dtype) for _, p in named]
         self.bucket_sizes = sizes
         wire = wire_bytes(self.compression, named, sizes)
-        self.bucket_cap_mb = resolve_cap(bucket_cap_mb, sizes, wire)
-        self.bucket_specs: list[BucketSpec] = plan_buckets(
-            sizes, cap_to_bytes(self.bucket_cap_mb), cap_to_bytes(first_bucket_cap_mb)
+        self.bucket_cap_mb = resolve_cap(options.bucket_cap_mb, sizes, wire)
+        specs = plan_buckets(
+            sizes, cap_to_bytes(self.bucket_cap_mb), cap_to_bytes(options.first_bucket_cap_mb)
         )
         device = local(named[0][1]).device if named else torch.device("cpu")
         group = self._deadline.group
         hook = make_comm_hook(
             self.compression, self.algorithm, group, named, grad_dtype=self.main_grad_dtype,
-            owner=self.module, keep_undo=options.get("check_finite", False),
+            owner=self.module, keep_undo=options.check_finite,
         )  # fmt: skip
+        reduction = Reduction(self.reduction, group, device)
         return Reducer(
-            watch,
-            self.bucket_specs,
-            deadline=self._deadline,
-            comm_hook=hook,
-            reduction=Reduction(self.reduction, group, device),
-            layouts=self._layouts,
-            main_grads=self.main_grad_dtype is not None,
-            **options,
-        )
+            watch, specs, options, deadline=self._deadline, comm_hook=hook,
+            reduction=reduction, layouts=self._layouts,
+        )  # fmt: skip
+
+    def _replace_reducer(
+        self,
+        specs: list[BucketSpec],
+        *,
+        comm_hook: CommHook | None = None,
+        sharding: GradientShards | None = None,
+    ) -> Reducer:
+        """Install a reducer with buckets ``specs`` (and ``comm_hook`` or ``sharding``) that
+        continues the current one's step count and open window (``Reducer.succeed``); the
+        only way the reducer changes after construction. Only between optimizer steps."""
+        self.reducer = Reducer.succeed(self.reducer, specs, comm_hook=comm_hook, sharding=sharding)
+        return self.reducer
+
+    def _adopt_plan(self, specs: list[BucketSpec], cap_mb: float | None) -> Reducer:
+        """``bucket_cap_mb="auto"``: buckets ``specs``, planned with ``cap_mb``, from now on."""
+        self.bucket_cap_mb = cap_mb  # the cap the buckets in use were planned with
+        return self._replace_reducer(specs)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():
@@ -235,7 +256,9 @@ class DistributedDataParallel(nn.Module):
         every = self.check_replicas_every
         check_due = every and steps and steps % every == 0 and self._replicas_checked_at != steps
         if self._autotune is not None:  # a step boundary on every rank: may switch the plan
-            self._autotune.before_forward(self)
+            self._autotune.before_forward(
+                self.reducer, self._joining, self.bucket_sizes, self.bucket_cap_mb, self._adopt_plan
+            )
         if not (broadcast or self._joining or check_due or not self._first_batch_checked):
             return None  # no collective before this forward
         self._deadline.begin(f"a training forward of step {steps}")
@@ -254,7 +277,7 @@ class DistributedDataParallel(nn.Module):
 
     def _broadcast_buffers(self, src: int = 0) -> None:
         what = f"the broadcast of rank {src}'s buffers before a training forward"
-        broadcast_from(self._buffers_to_sync, self._deadline, src, what)
+        self._deadline.broadcast(self._buffers_to_sync, src, what)
 
     def count_items(self, num_items: float) -> None:
         """Declare how many items (samples, valid tokens) this micro-batch's summed loss covers.
@@ -302,9 +325,8 @@ class DistributedDataParallel(nn.Module):
             protocol.serve_until_done(self.reducer, optimizer, self._broadcast_buffers)
             self._parameters_ready()
             src = protocol.authoritative_rank()
-            broadcast_from(
+            self._deadline.broadcast(
                 [p.data for p in self.module.parameters()] + self._buffers_to_sync,
-                self._deadline,
                 src,
                 f"the final broadcast of rank {src}'s state at the end of join()",
             )
@@ -331,12 +353,33 @@ class DistributedDataParallel(nn.Module):
     ) -> ShardedOptimizer:
         """ZeRO-1: an ``optimizer_class(**defaults)`` whose state is sharded over the ranks,
         fed by reduce-scattered buckets, its parameters all-gathered during the next forward
-        (see [Note: sharded steps in the wrapper] in ``gradsync/optim/overlap.py``). The same
+        (see [Note: sharded steps in the wrapper] in ``gradsync/ddp/sharding.py``). The same
         bytes on the wire as plain data parallelism; ``.grad`` stays ``None``: clip with
         ``opt.clip_grad_norm_``. Call it on every rank, once, before the first forward."""
         if self.main_grad_dtype is not None:
             raise UsageError("shard_optimizer() does not support main_grad_dtype yet")
-        return attach_sharded_optimizer(self, optimizer_class, defaults)
+        reducer = self.reducer
+        if self._forward_ran or reducer.sharding is not None:
+            raise ProtocolError("shard_optimizer() must be called once, before the first forward")
+        unsupported = {
+            "algorithm": self.algorithm.name != "native",
+            "compression": self.compression is not None or self._torch_hook is not None,
+            "check_finite": self.options.check_finite,
+            "DTensor parameters": any(layout is not None for layout in self._layouts),
+            # The optimizer's layout follows the buckets, which "auto" replaces after a few steps.
+            "bucket_cap_mb='auto'": self._autotune is not None,
+        }
+        if any(unsupported.values()):
+            bad = ", ".join(k for k, v in unsupported.items() if v)
+            raise UsageError(f"shard_optimizer() does not support {bad} yet")
+        shards = sharding.shard(
+            reducer.specs, reducer.params, reducer.watch.changes(), self._deadline, self.module,
+            optimizer_class, defaults,
+        )  # fmt: skip
+        reducer.watch.count_with(shards.updates)  # each rank steps a different number of slices
+        new = self._replace_reducer(reducer.specs, comm_hook=shards.hook, sharding=shards)
+        shards.hook.bind(new.buckets, shards.optimizer)
+        return shards.optimizer
 
     def _parameters_ready(self) -> None:
         """Wait for a sharded optimizer's parameter all-gathers (a no-op otherwise)."""
@@ -349,7 +392,15 @@ class DistributedDataParallel(nn.Module):
         ``torch.nn.parallel.DistributedDataParallel.register_comm_hook`` does. Call it on
         every rank, once, before the first forward; ranks registering different hooks raise
         ``UsageError`` on every rank. See ``gradsync/comm/torch_hooks.py``."""
-        torch_hooks.register(self, state, hook)
+        facts = torch_hooks.WrapperFacts(
+            describe_compression(self.compression), self.algorithm.name,
+            registered=self._torch_hook is not None, forward_ran=self._forward_ran,
+            sharded=self.reducer.sharding is not None, auto=self._autotune is not None,
+        )  # fmt: skip
+        numels = [b.grads.numel() for b in self.reducer.buckets]
+        adapter = torch_hooks.register(state, hook, self._deadline, numels, facts)
+        self._replace_reducer(self.reducer.specs, comm_hook=adapter)
+        self._torch_hook = hook
 
     def finish_gradient_synchronization(self) -> None:
         """Wait for outstanding reductions; idempotent. Backward already calls it at its end."""
@@ -387,8 +438,29 @@ class DistributedDataParallel(nn.Module):
         ``join()``: gradients accumulated under ``no_sync()`` are not part of any checkpoint,
         so a checkpoint taken there could not continue the step.
         """
-        return sync_state(self)
+        refuse_mid_step(self.reducer.window_open, self._joining)
+        state: dict[str, Any] = {
+            "num_reductions": self.reducer.num_reductions,
+            "replicas_checked_at": self._replicas_checked_at,
+        }
+        comm = self.reducer.comm_hook.state_dict()
+        if comm:
+            state["comm"] = comm
+        return state
 
     def load_sync_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Continue the step counter from a checkpoint (see :meth:`sync_state_dict`)."""
-        load_sync_state(self, state)
+        """Continue the step counter from a checkpoint (see :meth:`sync_state_dict`).
+
+        A collective (one small all-gather), so that a state one rank cannot load is refused on
+        every rank before any rank has changed anything."""
+        refuse_mid_step(self.reducer.window_open, self._joining)
+        hook = self.reducer.comm_hook
+        problem = comm_state_problem(hook, describe_compression(self.compression), state)
+        every = self._deadline.gather_objects(problem, "the check of the loaded sync state")
+        bad = [f"rank {r}: {p}" for r, p in enumerate(every) if p is not None]
+        if bad:
+            raise UsageError("cannot load this sync state; nothing was loaded.\n" + "\n".join(bad))
+        self.reducer.resume_from(int(state["num_reductions"]))
+        self._replicas_checked_at = int(state["replicas_checked_at"])
+        if "comm" in state:
+            hook.load_state_dict(state["comm"])

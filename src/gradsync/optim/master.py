@@ -24,20 +24,48 @@ or build the optimizer anew. Loading the optimizer (:meth:`MasterWeights.load_st
 :meth:`MasterWeights.load_named_state_dict`, what :class:`gradsync.checkpoint.Checkpointer`
 calls after ``model.load_state_dict``) writes the saved masters and their rounding into the
 model and records the versions again, so a resume starts from the saved fp32 weights exactly.
+
+[Note: clipping main gradients]
+``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)`` scales ``.grad``. An optimizer that
+steps on ``main_grad`` (:class:`gradsync.optim.MasterWeights`) never reads ``.grad``, so that
+clipping, or any other change to ``.grad`` between the backward and the step (a loss scaler's
+unscale, a custom gradient filter), would be silently ignored: a loss spike goes through
+unclipped. So after each reduction the wrapper records the in-place version of every
+``.grad`` (:func:`stamp_grads`; a Python attribute, no device work), and ``MasterWeights.step``
+refuses a ``.grad`` whose version moved since, naming the fix: ``opt.clip_grad_norm_``, which
+clips ``main_grad`` (and ``.grad`` alike). torch's ``clip_grad_norm_`` scales every gradient
+even when the norm is below the limit, so the refusal comes at the first step, not at the
+first spike.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
 
-from gradsync.ddp.main_grads import grad_changed, stamp_grads
 from gradsync.errors import CheckpointError, UsageError
 from gradsync.optim import clip
 
 ParamsT = Iterable[torch.Tensor] | Iterable[dict[str, Any]]
+
+GRAD_VERSION = "_gradsync_grad_version"  # .grad's in-place version when it was last stamped
+
+
+def stamp_grads(params: Sequence[torch.Tensor]) -> None:
+    """Record the in-place version of every ``.grad`` in ``params``: after the reduction wrote
+    them, and after a clipping that scaled ``main_grad`` and ``.grad`` alike ([Note: clipping
+    main gradients])."""
+    for param in params:
+        if param.grad is not None:
+            setattr(param, GRAD_VERSION, param.grad._version)
+
+
+def grad_changed(param: torch.Tensor) -> bool:
+    """Whether ``param.grad`` was changed in place since it was last stamped."""
+    grad = param.grad
+    return grad is not None and getattr(param, GRAD_VERSION, grad._version) != grad._version
 
 
 class MasterWeights:

@@ -23,7 +23,7 @@ slices instead of ``.grad``) and :meth:`~ShardedOptimizer.all_gather_params` wit
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -51,6 +51,14 @@ def _param_groups(params: Any) -> list[dict[str, Any]]:
     if not any(p.requires_grad for g in out for p in g["params"]):
         raise UsageError("ShardedOptimizer got no parameter that requires grad")
     return out
+
+
+class AttachedShards(Protocol):
+    """What steps and clips an optimizer that a data-parallel wrapper built (see
+    :meth:`ShardedOptimizer.attach`)."""
+
+    def step(self) -> None: ...
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor: ...
 
 
 class ShardedOptimizer(torch.optim.Optimizer):
@@ -96,12 +104,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.align = align
         self.buckets: list[FlatBucket] = []
         self._built = False
-        self._placeholder_state = False  # see state.init_state_for_load
+        self._placeholder_state = False  # see _init_state_for_load
         self._steps = 0  # inner steps taken (the same on every rank)
         self._consolidated: dict[str, Any] | None = None
         # Set when DistributedDataParallel.shard_optimizer built this optimizer: gradients come
         # as reduce-scattered shards, parameters are gathered before the next forward.
-        self._attached: Any = None  # optim/overlap.GradientShards
+        self._attached: AttachedShards | None = None
         super().__init__(_param_groups(params), defaults)
         self.optim: torch.optim.Optimizer = optimizer_class([{"params": []}], **defaults)
         self.optim.param_groups.clear()
@@ -148,7 +156,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 for pc, s in zip(b.pieces, b.slices, strict=True)
                 if id(b.params[pc.param]) in mine
             ]
-            self.optim.add_param_group({**self._hyper(g), "params": slices})
+            self.optim.add_param_group({**state.hyperparameters(g), "params": slices})
             for k, v in self.optim.param_groups[-1].items():
                 g.setdefault(k, v)  # the inner optimizer's defaults, visible to schedulers
 
@@ -199,16 +207,18 @@ class ShardedOptimizer(torch.optim.Optimizer):
                     f"{_first_difference(everyone[0][2], theirs[2], r)}"
                 )
 
-    @staticmethod
-    def _hyper(group: dict[str, Any]) -> dict[str, Any]:
-        return {k: v for k, v in group.items() if k != "params"}
-
     def _sync_hyperparameters(self) -> None:
         """Copy every outer group's hyper-parameters (an LR scheduler's ``lr``...) inward."""
         for outer, inner in zip(self.param_groups, self.optim.param_groups, strict=True):
-            inner.update(self._hyper(outer))
+            inner.update(state.hyperparameters(outer))
 
     # -- stepping ------------------------------------------------------------------------------
+    def attach(self, shards: AttachedShards) -> None:
+        """Let ``shards`` step and clip this optimizer: its gradients are the reduce-scattered
+        shards of a wrapper's buckets, not ``.grad`` (``DistributedDataParallel.shard_optimizer``
+        calls this; see [Note: sharded steps in the wrapper] in ``gradsync/ddp/sharding.py``)."""
+        self._attached = shards
+
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
         """Step this rank's slices from the parameters' ``.grad`` (already synchronised across
@@ -304,7 +314,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """Clip the parameters' ``.grad`` by their global norm, like
         ``torch.nn.utils.clip_grad_norm_`` on every parameter, computed from this rank's slices
         only (each element counted once over the group) plus one scalar all-reduce."""
-        if self._attached is not None:  # the shards are the gradient: see optim/overlap.py
+        if self._attached is not None:  # the shards are the gradient: see attach()
             return self._attached.clip_grad_norm_(max_norm, norm_type)
         grads = []
         for b in self.buckets:
@@ -339,16 +349,35 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a full (unsharded) state dict on every rank; each keeps its own slices."""
-        state.load_full(self, state_dict)
+        had_state = state.load_full(self, state_dict)
+        self._steps = max(self._steps, 1) if had_state else 0
+        self._placeholder_state = False
 
     def sharded_state_dict(self) -> dict[str, Any]:
         """This rank's state for ``torch.distributed.checkpoint`` save and load (see
         :func:`gradsync.optim.state.sharded_state_dict`)."""
+        if self._steps == 0 and not self.optim.state:
+            self._init_state_for_load()
         return state.sharded_state_dict(self)
+
+    def _init_state_for_load(self) -> None:
+        """Before any step there is no state to load into: create it with one step on zero
+        gradients, then put the parameters back. It is marked a placeholder: the first real
+        step discards it unless a checkpoint was loaded into it (torch's
+        ``get_optimizer_state_dict`` makes state the same way, but keeps it)."""
+        self._sync_hyperparameters()
+        state.step_on_zeros(self)
+        self._placeholder_state = True
 
     def load_sharded_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Finish a DCP load into :meth:`sharded_state_dict`'s dict (hyper-parameters)."""
-        state.load_sharded(self, state_dict)
+        self._steps = state.load_sharded(self, state_dict)
+        self._placeholder_state = False
+
+    @property
+    def steps(self) -> int:
+        """Inner optimizer steps taken (the same on every rank)."""
+        return self._steps
 
 
 def _first_difference(ref: list[Any], other: list[Any], rank: int) -> str:

@@ -1,4 +1,4 @@
-"""ShardedOptimizer's state dicts: sharded for DCP (reshards to any world size), or full.
+"""Sharded's state dicts: sharded for DCP (reshards to any world size), or full.
 
 Each parameter's per-element state (Adam's ``exp_avg``...) is conceptually one global 1-D
 tensor of ``numel(param)`` elements, of which a rank owns one contiguous range: possibly empty,
@@ -27,7 +27,7 @@ the result being built. ``load_state_dict`` of such a dict keeps only each rank'
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -42,8 +42,25 @@ from gradsync.errors import UsageError
 from gradsync.optim.buffers import FlatBucket
 from gradsync.optim.layout import Piece
 
-if TYPE_CHECKING:
-    from gradsync.optim.sharded import ShardedOptimizer
+
+class Sharded(Protocol):
+    """What these functions read of a :class:`~gradsync.optim.Sharded`; they return
+    what changes, and the optimizer, the only writer of its state, applies it."""
+
+    buckets: list[FlatBucket]
+    param_groups: list[dict[str, Any]]
+    optim: torch.optim.Optimizer
+    rank: int
+    world_size: int
+    process_group: dist.ProcessGroup | None
+
+    @property
+    def steps(self) -> int: ...  # inner steps taken (the same on every rank)
+
+
+def hyperparameters(group: dict[str, Any]) -> dict[str, Any]:
+    """A parameter group's settings (everything but its parameters)."""
+    return {k: v for k, v in group.items() if k != "params"}
 
 
 class StateShard(torch.Tensor):
@@ -113,7 +130,7 @@ def _per_element(key: str, value: Any, numel: int) -> bool:
 Owned = tuple[torch.Tensor, "FlatBucket | None", int, "Piece | None", Any]
 
 
-def _owned(opt: ShardedOptimizer) -> list[Owned]:
+def _owned(opt: Sharded) -> list[Owned]:
     """For every parameter in torch's state-dict order (groups in order): the parameter, its
     bucket and position there, this rank's piece of it and the piece's slice (or ``None``)."""
     where: dict[int, tuple[FlatBucket | None, int, Piece | None, Any]] = {}
@@ -126,38 +143,34 @@ def _owned(opt: ShardedOptimizer) -> list[Owned]:
     return [(p, *where.get(id(p), frozen)) for g in opt.param_groups for p in g["params"]]
 
 
-def _hyper_groups(opt: ShardedOptimizer) -> list[dict[str, Any]]:
-    return [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
+def _hyper_groups(opt: Sharded) -> list[dict[str, Any]]:
+    return [hyperparameters(g) for g in opt.param_groups]
 
 
 # -- sharded: DCP --------------------------------------------------------------------------------
-def init_state_for_load(opt: ShardedOptimizer) -> None:
-    """Before any step there is no state to load into: create it with one step on zero
-    gradients, then put the parameters back. It is marked a placeholder: the first real step
-    discards it unless a checkpoint was loaded into it (torch's ``get_optimizer_state_dict``
-    makes state the same way, but keeps it)."""
+def step_on_zeros(opt: Sharded) -> None:
+    """Create the inner optimizer's state with one step on zero gradients, then put the
+    parameters back: before any step there is no state to load a checkpoint into (see
+    ``ShardedOptimizer._init_state_for_load``). Hyper-parameters must be synchronised first."""
     slices = [s for b in opt.buckets for s in b.slices]
     saved = [b.shard.clone() for b in opt.buckets]
     for s in slices:
         s.grad = torch.zeros_like(s)
     try:
-        opt._sync_hyperparameters()
         opt.optim.step()
     finally:
         for b, before in zip(opt.buckets, saved, strict=True):
             b.detach_grads()
             b.shard.copy_(before)
-    opt._placeholder_state = True
 
 
-def sharded_state_dict(opt: ShardedOptimizer) -> dict[str, Any]:
+def sharded_state_dict(opt: Sharded) -> dict[str, Any]:
     """This rank's share of the state, keyed like ``torch.optim.Optimizer.state_dict`` (by
     parameter position): per-element state as :class:`StateShard` (its range only; a rank
     holding none of a parameter lists no entry for it), scalars and hyper-parameters as they
     are (replicated: DCP writes one copy). The tensors are the live state: DCP saves from them,
-    and loads into them."""
-    if opt._steps == 0 and not opt.optim.state:
-        init_state_for_load(opt)
+    and loads into them. Before the first step the state must have been made
+    (:func:`step_on_zeros`)."""
     state: dict[str, Any] = {}
     for k, (p, _b, _i, pc, s) in enumerate(_owned(opt)):
         if pc is None or s not in opt.optim.state:
@@ -169,12 +182,12 @@ def sharded_state_dict(opt: ShardedOptimizer) -> dict[str, Any]:
             else:
                 entry[key] = value
         state[str(k)] = entry
-    return {"state": state, "param_groups": _hyper_groups(opt), "steps": opt._steps}
+    return {"state": state, "param_groups": _hyper_groups(opt), "steps": opt.steps}
 
 
-def load_sharded(opt: ShardedOptimizer, state_dict: dict[str, Any]) -> None:
+def load_sharded(opt: Sharded, state_dict: dict[str, Any]) -> int:
     """After ``dcp.load`` into :func:`sharded_state_dict`'s dict: the tensors are already in
-    place; apply the hyper-parameters and the step count."""
+    place; apply the hyper-parameters; returns the saved step count."""
     groups = state_dict["param_groups"]
     if len(groups) != len(opt.param_groups):
         raise UsageError(
@@ -182,14 +195,14 @@ def load_sharded(opt: ShardedOptimizer, state_dict: dict[str, Any]) -> None:
         )
     for outer, saved in zip(opt.param_groups, groups, strict=True):
         outer.update({k: v for k, v in saved.items() if k != "params"})
-    opt._steps = int(state_dict["steps"])
-    if opt._steps == 0:  # saved before the first step: nothing real was in it
+    steps = int(state_dict["steps"])
+    if steps == 0:  # saved before the first step: nothing real was in it
         opt.optim.state.clear()
-    opt._placeholder_state = False
+    return steps
 
 
 # -- full: consolidate on one rank, load everywhere ----------------------------------------------
-def _schemas(opt: ShardedOptimizer) -> list[dict[str, Any] | None]:
+def _schemas(opt: Sharded) -> list[dict[str, Any] | None]:
     """For every parameter, from the rank holding its first element: each state key's kind
     (``("shard", dtype)`` or ``("value", value)``), gathered to every rank (small objects)."""
     mine: dict[int, dict[str, Any]] = {}
@@ -211,7 +224,7 @@ def _schemas(opt: ShardedOptimizer) -> list[dict[str, Any] | None]:
     return [merged.get(k) for k in range(len(_owned(opt)))]
 
 
-def consolidate(opt: ShardedOptimizer, to: int) -> dict[str, Any] | None:
+def consolidate(opt: Sharded, to: int) -> dict[str, Any] | None:
     """The full state dict on rank ``to`` (``None`` elsewhere); a collective."""
     if not 0 <= to < opt.world_size:
         raise UsageError(f"consolidate_state_dict(to={to}) is outside a group of {opt.world_size}")
@@ -242,7 +255,7 @@ def consolidate(opt: ShardedOptimizer, to: int) -> dict[str, Any] | None:
 
 
 def _gather_one(
-    opt: ShardedOptimizer,
+    opt: Sharded,
     to: int,
     owners: list[tuple[int, Piece]],
     mine: torch.Tensor | None,
@@ -265,8 +278,9 @@ def _gather_one(
     return out.view(param.shape)
 
 
-def load_full(opt: ShardedOptimizer, state_dict: dict[str, Any]) -> None:
-    """Load an unsharded state dict (torch's shape) on every rank; keep this rank's ranges."""
+def load_full(opt: Sharded, state_dict: dict[str, Any]) -> bool:
+    """Load an unsharded state dict (torch's shape) on every rank; keep this rank's ranges.
+    Returns whether it held any state (a step was taken before it was saved)."""
     groups = state_dict["param_groups"]
     sizes = [len(g["params"]) for g in opt.param_groups]
     if [len(g["params"]) for g in groups] != sizes:
@@ -295,8 +309,7 @@ def load_full(opt: ShardedOptimizer, state_dict: dict[str, Any]) -> None:
     ):
         outer.update({k: v for k, v in saved_group.items() if k != "params"})
         n = len(inner["params"])
-        inner_groups.append({**opt._hyper(outer), "params": list(range(j, j + n))})
+        inner_groups.append({**hyperparameters(outer), "params": list(range(j, j + n))})
         j += n
     opt.optim.load_state_dict({"state": inner_state, "param_groups": inner_groups})
-    opt._steps = max(opt._steps, 1) if state_dict["state"] else 0
-    opt._placeholder_state = False
+    return bool(state_dict["state"])

@@ -14,7 +14,7 @@ import math
 import os
 import sys
 
-from gradsync.ddp.buckets import parse_cap
+from gradsync.ddp.plan import parse_cap
 from gradsync.errors import SpawnError
 from gradsync.verify.inject import INJECTIONS
 from gradsync.verify.report import format_report

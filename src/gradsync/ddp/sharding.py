@@ -4,7 +4,7 @@ during backward, updated parameters all-gathered while the next forward runs.
 [Note: sharded steps in the wrapper]
 ``opt = model.shard_optimizer(torch.optim.AdamW, lr=...)`` builds a :class:`ShardedOptimizer`
 whose flat buckets are the wrapper's gradient buckets, parameter for parameter, padded to equal
-slices (``layout.py``). Then, per bucket:
+slices (``optim/layout.py``). Then, per bucket:
 
 1. Backward: when the bucket is full, a ``reduce_scatter`` leaves on each rank the sum of its
    own slice only (pre-divided as the reduction says, like the all-reduce it replaces), and an
@@ -38,10 +38,11 @@ from gradsync.comm import CommHook, CommStats, Handle
 from gradsync.comm.hook import BucketLike, tail
 from gradsync.comm.ring import Ring, RingRunner, group_ring
 from gradsync.comm.worker import SerialWorker
-from gradsync.ddp.deadline import Deadline
-from gradsync.ddp.step_checks import per_rank_lines
-from gradsync.ddp.succession import successor
-from gradsync.errors import ParametersChangedError, ProtocolError, UsageError
+from gradsync.ddp.checks.verdicts import per_rank_lines
+from gradsync.ddp.plan import BucketSpec
+from gradsync.errors import ParametersChangedError
+from gradsync.failfast.deadline import Deadline
+from gradsync.optim import clip
 from gradsync.optim.sharded import ShardedOptimizer
 
 
@@ -84,7 +85,7 @@ class _Wire(CommHook):
             self.runner = RingRunner(self.stats)
             self.worker = SerialWorker("gradsync-zero")
 
-    def bind(self, buckets: Sequence[Any], optimizer: ShardedOptimizer) -> None:
+    def bind(self, buckets: Sequence[BucketLike], optimizer: ShardedOptimizer) -> None:
         """Where each bucket's reduced slice lands (see the class docstring)."""
         for bucket, flat in zip(buckets, optimizer.buckets, strict=True):
             lo, hi = flat.layout.rank_range(optimizer.rank)
@@ -135,7 +136,7 @@ class GradientShards:
             )
             if mine:
                 self._hooks.append(m.register_forward_pre_hook(self._waiter(mine)))
-        optimizer._attached = self
+        optimizer.attach(self)
 
     def receive(self, buckets: Sequence[Any], counts: Sequence[Sequence[float]]) -> None:
         """After a sharded reduction: note what to skip and clear ``.grad`` (see the Note)."""
@@ -159,8 +160,6 @@ class GradientShards:
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip the reduced gradient by its global norm, from the shards (padding is zero)."""
-        from gradsync.optim import clip
-
         self.wait_all()  # a gather still running for a bucket no forward used yet
         total = clip.total_norm(
             list(self.grad_shards), norm_type, process_group=self.deadline.group,
@@ -192,39 +191,25 @@ class GradientShards:
         return self._step
 
 
-def attach_sharded_optimizer(
-    wrapper: Any, optimizer_class: type[torch.optim.Optimizer], defaults: dict[str, Any]
-) -> ShardedOptimizer:
-    """``DistributedDataParallel.shard_optimizer``: build the optimizer on the wrapper's buckets
-    and give the wrapper a reducer that reduce-scatters into its shards."""
-
-    old = wrapper.reducer
-    if wrapper._forward_ran or old.sharding is not None:
-        raise ProtocolError("shard_optimizer() must be called once, before the first forward")
-    unsupported = {
-        "algorithm": wrapper.algorithm.name != "native",
-        "compression": wrapper.compression is not None or wrapper._torch_hook is not None,
-        "check_finite": old.check_finite,
-        "DTensor parameters": any(layout is not None for layout in wrapper._layouts),
-        # The optimizer's flat layout follows the buckets, which "auto" replaces after a few steps.
-        "bucket_cap_mb='auto'": wrapper._autotune is not None,
-    }
-    if any(unsupported.values()):
-        bad = ", ".join(k for k, v in unsupported.items() if v)
-        raise UsageError(f"shard_optimizer() does not support {bad} yet")
-    params = old.params
-    deadline = wrapper._deadline
-    _refuse_changed_parameters(old.watch.changes(), deadline)
-    buckets = [[params[i] for i in spec.param_indices] for spec in wrapper.bucket_specs]
+def shard(
+    specs: Sequence[BucketSpec],
+    params: Sequence[nn.Parameter],
+    changes: list[str],
+    deadline: Deadline,
+    module: nn.Module,
+    optimizer_class: type[torch.optim.Optimizer],
+    defaults: dict[str, Any],
+) -> GradientShards:
+    """The gradient shards of ``DistributedDataParallel.shard_optimizer``: a
+    :class:`ShardedOptimizer` over ``params`` (the reducer's) whose flat buckets are the
+    wrapper's ``specs``, and the wire that fills them. A collective: every rank must call it.
+    ``changes``: how this rank's parameter set differs from wrapping time."""
+    _refuse_changed_parameters(changes, deadline)
+    buckets = [[params[i] for i in spec.param_indices] for spec in specs]
     opt = ShardedOptimizer(
         params, optimizer_class, process_group=deadline.group, buckets=buckets, **defaults
     )
-    shards = GradientShards(opt, deadline, wrapper.module)
-    old.watch.count_updates = shards.updates  # each rank steps a different number of slices
-    old.watch.rebase()
-    wrapper.reducer = successor(old, wrapper.bucket_specs, comm_hook=shards.hook, sharding=shards)
-    shards.hook.bind(wrapper.reducer.buckets, opt)
-    return opt
+    return GradientShards(opt, deadline, module)
 
 
 def _refuse_changed_parameters(changes: list[str], deadline: Deadline) -> None:

@@ -16,7 +16,7 @@ with ``del`` is seen as its parameters getting no gradient: an error without
 
 It also sums the parameters' version counters, which every in-place update bumps (an
 optimizer's ``step``, mostly): equal replicas that apply the same updates have the same sum, so
-a rank whose sum differs took an extra step or a rank-specific update (see ``step_tags.py``).
+a rank whose sum differs took an extra step or a rank-specific update (see ``tags.py``).
 The sum is evidence, not proof (fused optimizers do not bump versions; ``.data`` writes do
 not either), so a mismatch is confirmed with exact checksums before anything is raised.
 """
@@ -53,7 +53,7 @@ class ParameterWatch:
         self._wrapped_ids = [id(p) for _, p in self.named]
         self._walked_ids = self._wrapped_ids
         # Where in-place updates are not the same on every rank (a sharded optimizer steps a
-        # different number of slices on each), a count of steps that is: see optim/overlap.py.
+        # different number of slices on each), a count of steps that is: see count_with.
         self.count_updates: Callable[[], int] | None = None
         self._version_base = self.version_sum()
 
@@ -95,6 +95,13 @@ class ParameterWatch:
         if self.count_updates is not None:
             return self.count_updates()
         return sum(p._version for _, p in self.named)
+
+    def count_with(self, count_updates: Callable[[], int]) -> None:
+        """Count updates with ``count_updates`` from now on, instead of version counters: a
+        sharded optimizer (``ddp/sharding.py``) steps a different number of slices on each
+        rank, but takes the same number of steps."""
+        self.count_updates = count_updates
+        self.rebase()
 
     def updates_since_wrapping(self) -> int:
         """In-place updates of the parameters since wrapping (or since :meth:`rebase`)."""

@@ -9,7 +9,8 @@ ranks that did not arrive and where they were last seen (``arrivals.py``).
 After such a failure the group may hold a half-finished collective, which would pair with a
 late rank's next one (mixing unrelated tensors) and keeps the process from exiting until the
 group's own timeout. So the deadline then refuses every further collective with an error that
-says why, and releases the group (``release.py``) so that the process can end.
+says why, and releases the group (:func:`~gradsync.failfast.group.release_group`) so that the
+process can end.
 """
 
 from __future__ import annotations
@@ -17,16 +18,26 @@ from __future__ import annotations
 import math
 import pickle
 import time
+from collections.abc import Sequence
 from datetime import timedelta
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 
-from gradsync.comm import Handle
-from gradsync.ddp.arrivals import ArrivalRecords
-from gradsync.ddp.group import private_group, release_group
 from gradsync.errors import CollectiveTimeoutError, UsageError
+from gradsync.failfast.arrivals import ArrivalRecords
+from gradsync.failfast.group import private_group, release_group
+from gradsync.mesh.dtensors import local
+
+
+class Handle(Protocol):
+    """An operation in flight (a collective, a bucket's communication): ``wait()`` blocks until
+    its result is in place; ``wait(timeout)`` raises ``RuntimeError`` if it is not there within
+    ``timeout``, as ``dist.Work.wait`` does. Deadlines are built on that."""
+
+    def wait(self, timeout: timedelta | None = None) -> object: ...
+
 
 _CULPRITS = (
     "A rank that does not arrive may be busy with rank-specific work (saving, evaluating on "
@@ -195,6 +206,26 @@ class Deadline:
     def _wait_collective(self, work: dist.Work | None, what: str) -> None:
         assert work is not None
         self.wait(work, what)
+
+    def broadcast(self, tensors: Sequence[torch.Tensor], src: int, what: str) -> None:
+        """Overwrite ``tensors`` with group rank ``src``'s values: one broadcast per dtype and
+        device. Coalescing matters: a BatchNorm model has hundreds of small buffers, and one
+        collective each would cost more than the forward pass."""
+        by_kind: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+        for t in tensors:  # a DTensor's local shard: every rank of the group holds the same one
+            by_kind.setdefault((t.dtype, t.device), []).append(t)
+        for group_tensors in by_kind.values():
+            flat = torch.cat([local(t).detach().reshape(-1) for t in group_tensors])
+            self.check_usable()
+            self._wait_collective(
+                dist.broadcast(flat, group=self.group, group_src=src, async_op=True), what
+            )
+            offset = 0
+            with torch.no_grad():
+                for t in group_tensors:
+                    n = local(t).numel()
+                    local(t).copy_(flat[offset : offset + n].view_as(local(t)))
+                    offset += n
 
 
 _num_wrappers = 0  # wrappers built in this process: the same sequence on every rank

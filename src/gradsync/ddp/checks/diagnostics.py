@@ -12,9 +12,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from gradsync.ddp.arrivals import ArrivalRecords
-from gradsync.ddp.deadline import Deadline, as_timedelta
 from gradsync.errors import ProtocolError, ReplicaMismatchError, UsageError
+from gradsync.failfast.arrivals import ArrivalRecords
+from gradsync.failfast.deadline import Deadline, as_timedelta
 from gradsync.mesh.dtensors import local
 
 _INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}

@@ -1,15 +1,15 @@
-"""Making replicas start equal: the cross-rank model check and rank 0's state broadcast."""
+"""The model check at construction: every rank must hold the same parameters, buffers and
+settings before rank 0's state is broadcast to them."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from typing import Any, NamedTuple, NoReturn
 
 import torch
-import torch.distributed as dist
 
-from gradsync.ddp.deadline import Deadline
 from gradsync.errors import ModelMismatchError, UsageError
+from gradsync.failfast.deadline import Deadline
 from gradsync.mesh.dtensors import local, placement_text
 
 Row = tuple[str, str, tuple[int, ...], str, bool, str]
@@ -100,28 +100,3 @@ def _fmt(row: Row) -> str:
     _, _, shape, dtype, requires_grad, placements = row
     where = f", placements ({placements})" if placements else ""
     return f"shape {list(shape)}, {dtype}, requires_grad={requires_grad}{where}"
-
-
-def broadcast_from(
-    tensors: Sequence[torch.Tensor], deadline: Deadline, src: int, what: str
-) -> None:
-    """Overwrite ``tensors`` with group rank ``src``'s values: one broadcast per dtype and device.
-
-    Coalescing matters: a BatchNorm model has hundreds of small buffers, and one collective each
-    would cost more than the forward pass.
-    """
-    by_kind: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
-    for t in tensors:  # a DTensor's local shard: every rank of the group holds the same one
-        by_kind.setdefault((t.dtype, t.device), []).append(t)
-    for group_tensors in by_kind.values():
-        flat = torch.cat([local(t).detach().reshape(-1) for t in group_tensors])
-        deadline.check_usable()
-        work = dist.broadcast(flat, group=deadline.group, group_src=src, async_op=True)
-        assert work is not None
-        deadline.wait(work, what)
-        offset = 0
-        with torch.no_grad():
-            for t in group_tensors:
-                n = local(t).numel()
-                local(t).copy_(flat[offset : offset + n].view_as(local(t)))
-                offset += n

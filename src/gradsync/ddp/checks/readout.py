@@ -1,7 +1,8 @@
-"""What every rank reads after a step's reduction: one device-to-host copy for all of it.
+"""The step's readout: what every rank reads after a step's reduction, in one device-to-host
+copy.
 
 The used counts ([Note: used flags] in ``reducer.py``), every rank's step tag ([Note: step
-tags] in ``step_tags.py``), the finite flag of each bucket (``check_finite``) and the global item
+tags] in ``tags.py``), the finite flag of each bucket (``check_finite``) and the global item
 count (``item_mean``) are concatenated and read in one ``tolist()``: on CUDA each read is a sync
 point, so there is one per step, not one per bucket (hundreds with ``bucket_cap_mb=0``).
 
@@ -16,26 +17,33 @@ follow see the same values either way (``tests/unit/test_results.py``).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 
 from gradsync.ddp.buckets import Bucket
+from gradsync.ddp.checks.tags import StepTag, TagSlots, decode
 from gradsync.ddp.reduction import Reduction
-from gradsync.ddp.step_tags import StepTag, TagSlots, decode
-
-Results = tuple[list[list[float]], list[float] | None, float, list[StepTag | None] | None]
 
 
-def read_results(
+class StepReadout(NamedTuple):
+    """What every rank holds identically after a step's bucket sums."""
+
+    counts: list[list[float]]  # per bucket, per parameter: on how many ranks it was used
+    finite: list[float] | None  # per bucket: no NaN/Inf after the sum (check_finite only)
+    total_items: float  # the window's items over every rank (item_mean only)
+    tags: list[StepTag | None] | None  # every rank's step tag (None: no buckets)
+
+
+def read_step(
     buckets: Sequence[Bucket],
     check_finite: bool,
     reduction: Reduction,
     world_size: int,
     used: Sequence[bool],
     tag_slots: TagSlots | None,
-) -> Results:
-    """(used counts per bucket, finite flag per bucket or None, global item count, every rank's
-    step tag or None). ``used`` and ``tag_slots``: what this rank wrote into the flags and
+) -> StepReadout:
+    """The step's readout. ``used`` and ``tag_slots``: what this rank wrote into the flags and
     tags (a slot of a filled bucket is used: its hook fired, or it was filled late as used)."""
     if world_size == 1 and not check_finite and not reduction.counts_items:
         flags = [float(used[i]) for b in buckets for i in b.spec.param_indices]
@@ -67,7 +75,7 @@ def _parse(
     check_finite: bool,
     reduction: Reduction,
     world_size: int,
-) -> Results:
+) -> StepReadout:
     counts, start = [], 0
     for bucket in buckets:
         counts.append(flat[start : start + len(bucket.params)])
@@ -82,4 +90,4 @@ def _parse(
         finite = flat[start : start + len(buckets)]
         start += len(buckets)
     total_items = flat[start] if reduction.counts_items else 0.0
-    return counts, finite, total_items, tags
+    return StepReadout(counts, finite, total_items, tags)

@@ -1,4 +1,4 @@
-"""The verdicts after each reduction: desynchronised ranks, a changed parameter set, missing
+"""The step's verdicts, after each reduction: desynchronised ranks, a changed parameter set, missing
 item counts, diverged replicas, parameters without gradients, NaN/Inf gradients.
 
 Each check decides from data every rank holds identically after the bucket sums (step tags,
@@ -10,14 +10,15 @@ their local lists in one gather under the deadline: every rank is known to reach
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
-from gradsync.ddp.buckets import Bucket, BucketSpec
-from gradsync.ddp.deadline import Deadline
-from gradsync.ddp.diagnostics import check_replicas
-from gradsync.ddp.param_watch import ParameterWatch
-from gradsync.ddp.step_tags import (
+from gradsync.ddp.buckets import Bucket
+from gradsync.ddp.checks.diagnostics import check_replicas
+from gradsync.ddp.checks.param_watch import ParameterWatch
+from gradsync.ddp.checks.readout import StepReadout
+from gradsync.ddp.checks.tags import (
     NO_ITEMS,
     PARAMS_CHANGED,
     StepTag,
@@ -25,6 +26,7 @@ from gradsync.ddp.step_tags import (
     ranks_with_flag,
     updates_differ,
 )
+from gradsync.ddp.plan import BucketSpec
 from gradsync.errors import (
     DesyncError,
     NonFiniteGradientError,
@@ -32,6 +34,7 @@ from gradsync.errors import (
     ProtocolError,
     UnusedParametersError,
 )
+from gradsync.failfast.deadline import Deadline
 
 
 def nonfinite_params(bucket: Bucket, names: Sequence[str]) -> list[str]:
@@ -51,21 +54,44 @@ def per_rank_lines(mine: list[str], deadline: Deadline, what: str) -> str:
     return "\n".join(f"  rank {r}: {names}" for r, names in enumerate(per_rank) if names)
 
 
-def check_tags(
-    tags: list[StepTag | None],
-    deadline: Deadline,
-    my_steps: int,
-    watch: ParameterWatch,
-    my_changes: list[str],
-    compare_windows: bool,
-) -> None:
+@dataclass(frozen=True)
+class StepContext:
+    """What this rank knows of the step being judged, besides the readout."""
+
+    deadline: Deadline
+    specs: Sequence[BucketSpec]
+    names: Sequence[str]  # the trainable parameters, in the reducer's order
+    used: Sequence[bool]  # which got a gradient on this rank in the window
+    num_active: int  # ranks that contributed data (fewer inside join())
+    num_reductions: int  # synchronised steps this rank completed before this one
+    watch: ParameterWatch
+    changes: Sequence[str]  # how this rank's parameter set differs from wrapping time
+    nonfinite_here: Sequence[str]  # parameters with NaN/Inf before the sum (check_finite)
+    compare_windows: bool  # compare micro-batches per window (not with item_mean)
+    find_unused_parameters: bool
+
+
+def judge(readout: StepReadout, step: StepContext) -> None:
+    """Raise the step's first failed verdict on every rank: desynchronised ranks, a changed
+    parameter set or a missing item count (the tags), NaN/Inf gradients, then parameters
+    without a gradient. Every rank reads the same ``readout``, so every rank raises the same."""
+    if readout.tags is not None:
+        check_tags(readout.tags, step)
+    if readout.finite is not None and not all(readout.finite):
+        raise_nonfinite([b for b, ok in enumerate(readout.finite) if not ok], step)
+    if not step.find_unused_parameters:
+        raise_if_unused(readout.counts, step)
+
+
+def check_tags(tags: list[StepTag | None], step: StepContext) -> None:
     """Raise on every rank if the step tags show desynchronised ranks, a changed parameter set
     or a missing item count; confirm a difference in parameter updates with checksums."""
-    desync = find_desync(tags, my_steps, compare_windows)
+    deadline = step.deadline
+    desync = find_desync(tags, step.num_reductions, step.compare_windows)
     if desync is not None:
         raise DesyncError(f"{desync} (seen from rank {deadline.rank})")
     if ranks_with_flag(tags, PARAMS_CHANGED):
-        lines = per_rank_lines(my_changes, deadline, "the report of changed parameters")
+        lines = per_rank_lines(list(step.changes), deadline, "the report of changed parameters")
         raise ParametersChangedError(
             "the module's parameters changed after it was wrapped, so buckets and hooks no "
             f"longer match them (seen from rank {deadline.rank}):\n{lines}\nGradients of this "
@@ -86,29 +112,25 @@ def check_tags(
             "Ranks also differ in how many in-place updates their parameters received since "
             "wrapping: look for an extra optimizer.step() or a rank-specific update."
         )
+        watch = step.watch
         check_replicas(list(zip(watch.names, watch.params, strict=True)), deadline, hint)
         watch.rebase()
 
 
-def raise_if_unused(
-    specs: Sequence[BucketSpec],
-    counts: list[list[float]],
-    names: list[str],
-    used: list[bool],
-    num_active: int,
-    deadline: Deadline,
-) -> None:
+def raise_if_unused(counts: list[list[float]], step: StepContext) -> None:
     """Raise :class:`UnusedParametersError` on every rank if a parameter was used on fewer
     ranks than contributed (``counts``: the summed used flags, the same on every rank)."""
+    names = step.names
     missing = [
         names[i]
-        for spec, bucket_counts in zip(specs, counts, strict=True)
+        for spec, bucket_counts in zip(step.specs, counts, strict=True)
         for i, c in zip(spec.param_indices, bucket_counts, strict=True)
-        if c < num_active
+        if c < step.num_active
     ]
     if not missing:
         return
-    unused_here = [names[i] for i in range(len(names)) if not used[i]]
+    unused_here = [names[i] for i in range(len(names)) if not step.used[i]]
+    deadline = step.deadline
     lines = per_rank_lines(unused_here, deadline, "the report of unused parameters")
     raise UnusedParametersError(
         "these parameters received no gradient in this backward pass "
@@ -119,10 +141,11 @@ def raise_if_unused(
     )
 
 
-def raise_nonfinite(bad_buckets: list[int], nonfinite_here: list[str], deadline: Deadline) -> None:
+def raise_nonfinite(bad_buckets: list[int], step: StepContext) -> None:
     """Raise :class:`NonFiniteGradientError` on every rank; NaN/Inf survive the sum, so every
     rank sees the same ``bad_buckets`` and arrives here."""
-    lines = per_rank_lines(nonfinite_here, deadline, "the report of NaN/Inf gradients")
+    deadline = step.deadline
+    lines = per_rank_lines(list(step.nonfinite_here), deadline, "the report of NaN/Inf gradients")
     where = f"before communication they were in:\n{lines}" if lines else (
         "no rank had any before communication: the sum overflowed, or a value exceeded the "
         "wire format's range (fp16: +-65504)"

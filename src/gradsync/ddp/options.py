@@ -1,0 +1,118 @@
+"""Every setting of a :class:`~gradsync.DistributedDataParallel`, in one frozen object.
+
+:class:`SyncOptions` is what the wrapper was asked for, checked once. It is what the model check
+at construction compares across ranks (:meth:`SyncOptions.settings`), what every reducer is
+built from (the first one, and each one that replaces it: ``bucket_cap_mb="auto"``,
+``shard_optimizer()``, ``register_comm_hook()``), and what the per-step code reads. A new
+setting is one field here, with its docstring, read where it matters.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+
+from gradsync.comm import AllReduceAlgorithm, PowerSGD, get_algorithm
+from gradsync.comm.formats import Compression, describe_compression, describe_compression_state
+from gradsync.ddp.plan import SCALED, check_cap
+from gradsync.ddp.reduction import check_reduction
+from gradsync.errors import UsageError
+
+
+@dataclass(frozen=True)
+class SyncOptions:
+    """The wrapper's settings; the constructor's keyword arguments of the same names."""
+
+    bucket_cap_mb: float | str | None = SCALED
+    """Bucket size in MiB: ``"scaled"`` (an eighth of the gradients' bytes, between 1 and 25
+    MiB), a number (``0``: a bucket per parameter), ``None`` (one bucket per dtype) or
+    ``"auto"`` (chosen from this job's profile; see ``autotune.py``)."""
+
+    first_bucket_cap_mb: float | None = 1.0
+    """A lower cap for the first bucket (the last layers' gradients), so that communication
+    starts early in backward; ``None``: ``bucket_cap_mb`` for every bucket."""
+
+    find_unused_parameters: bool = False
+    """Count a parameter without a gradient on some rank as zero there, instead of raising
+    ``UnusedParametersError`` on every rank."""
+
+    gradient_as_bucket_view: bool = False
+    """Make ``.grad`` tensors views into the bucket buffers (one copy and one set of gradients
+    less)."""
+
+    broadcast_buffers: bool = True
+    """Copy rank 0's buffers to every rank before each training-mode forward with grad."""
+
+    reduction: str = "mean"
+    """``"mean"``, ``"sum"`` or ``"item_mean"``: what the summed gradient is divided by
+    (``reduction.py``)."""
+
+    algorithm: AllReduceAlgorithm | str = "native"
+    """The all-reduce of every bucket: a name from ``gradsync.comm.ALGORITHMS`` or an instance
+    (stored as the instance)."""
+
+    compression: Compression = None
+    """The gradients' wire format: ``None``, ``"bf16"``, ``"fp16"`` or a ``PowerSGD``."""
+
+    timeout: timedelta = timedelta(seconds=300.0)
+    """The deadline of each of the wrapper's collectives (``failfast/deadline.py``)."""
+
+    check_finite: bool = False
+    """Check every bucket for NaN/Inf before communication (one device read per bucket)."""
+
+    check_replicas_every: int = 0
+    """Compare parameter checksums across ranks every this many optimizer steps (0: never)."""
+
+    main_grad_dtype: torch.dtype | None = None
+    """Accumulate and reduce gradients in this dtype, into ``p.main_grad`` (``main_grads.py``);
+    whether the module allows it is checked by the wrapper, which holds the module."""
+
+    def __post_init__(self) -> None:
+        # A refusal here is a UsageError naming the setting; the wrapper raises it on every rank.
+        check_reduction(self.reduction)
+        check_cap(self.first_bucket_cap_mb, "first_bucket_cap_mb", words=())
+        object.__setattr__(self, "algorithm", get_algorithm(self.algorithm))
+        describe_compression(self.compression)
+        check_cap(self.bucket_cap_mb)
+        if self.auto and isinstance(self.compression, PowerSGD):
+            raise UsageError(
+                "bucket_cap_mb='auto' cannot be combined with compression=PowerSGD: its "
+                "matrices and error feedback are kept per bucket and would be lost when the plan "
+                "switches; pass a numeric bucket_cap_mb"
+            )
+
+    @property
+    def all_reduce(self) -> AllReduceAlgorithm:
+        """The algorithm instance (``algorithm`` after construction)."""
+        assert isinstance(self.algorithm, AllReduceAlgorithm)
+        return self.algorithm
+
+    @property
+    def auto(self) -> bool:
+        """``bucket_cap_mb="auto"``: the plan may be replaced after a few steps."""
+        return self.bucket_cap_mb == "auto"
+
+    @property
+    def main_grads(self) -> bool:
+        """Buckets own the gradients, in ``main_grad_dtype`` ([Note: main gradients])."""
+        return self.main_grad_dtype is not None
+
+    def settings(self, mesh_axes: object = None) -> dict[str, Any]:
+        """What must be the same on every rank, compared by the model check at construction:
+        every setting that changes which collectives run or what they carry (``mesh_axes``:
+        the names of the device mesh's axes reduced over, if any)."""
+        return {
+            "bucket_cap_mb": self.bucket_cap_mb, "first_bucket_cap_mb": self.first_bucket_cap_mb,
+            "reduction": self.reduction, "find_unused_parameters": self.find_unused_parameters,
+            "gradient_as_bucket_view": self.gradient_as_bucket_view,
+            "broadcast_buffers": self.broadcast_buffers, "algorithm": self.all_reduce.name,
+            "compression": describe_compression(self.compression),
+            "check_finite": self.check_finite, "check_replicas_every": self.check_replicas_every,
+            "device_mesh": mesh_axes, "main_grad_dtype": str(self.main_grad_dtype),
+            "compression state (load it on every rank)": describe_compression_state(
+                self.compression
+            ),
+        }  # fmt: skip
