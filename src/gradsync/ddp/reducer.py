@@ -1,10 +1,11 @@
 """Overlapped gradient reduction: the machinery behind :class:`DistributedDataParallel`.
 
 [Note: when a bucket fires]
-A post-accumulate-grad hook on every trainable parameter copies its gradient into the flat
-buffer of its bucket. When the last gradient of a bucket arrives, the bucket's communication
-(an all-reduce by default; see [Note: the bucket communication seam] in ``comm/hook.py``) is
-started asynchronously, while autograd goes on computing earlier layers. Buckets are launched
+A post-accumulate-grad hook on every trainable parameter marks its gradient as arrived in its
+bucket. When the last gradient of a bucket arrives, the bucket copies them all into its flat
+buffer (``buckets.py``) and its communication (an all-reduce by default; see [Note: the bucket
+communication seam] in ``comm/hook.py``) is started asynchronously, while autograd goes on
+computing earlier layers. Buckets are launched
 strictly in index order (a ready bucket waits for its predecessors) because gloo and NCCL match
 collectives by the order they are issued: two ranks that launched buckets in different orders
 would sum unrelated gradients. At the end of backward (an autograd engine callback), buckets not
@@ -78,7 +79,7 @@ class _Phase(enum.Enum):
     ACCUMULATING = "accumulating"  # last forward ran under no_sync(): gradients stay local
     ARMED = "armed"  # last forward ran with sync on: the next backward reduces
     REDUCING = "reducing"  # inside that backward: buckets are being launched
-    RETIRED = "retired"  # a newer wrapper took these parameters over
+    RETIRED = "retired"  # a newer reducer (a new wrapper's, or a successor) took them over
 
 
 class Reducer:
