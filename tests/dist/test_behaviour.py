@@ -76,6 +76,26 @@ def _accumulation_and_counts(rank: int, world: int) -> dict:
             "counts": per_step,
             "num_buckets": ddp.num_buckets,
         }
+        # nanoGPT's loop: torch DDP's flag set on each micro-step instead of no_sync().
+        model = toy.make_model("plain", seed=rank)
+        ddp = gradsync.DistributedDataParallel(model, bucket_cap_mb=cap)
+        opt = toy.make_optimizer("adamw", ddp.parameters())
+        per_step = []
+        for step in range(3):
+            opt.zero_grad()
+            batches = [toy.global_batch(step * micro + m) for m in range(micro)]
+            with count_collectives() as counts:
+                for m, batch in enumerate(batches):
+                    ddp.require_backward_grad_sync = m == micro - 1
+                    loss = toy.loss_fn(ddp, toy.shard(batch, rank, world), "mean") / micro
+                    loss.backward()
+            per_step.append(dict(counts))
+            opt.step()
+        out[("require_backward_grad_sync", cap)] = {
+            "params": {n: p.detach().clone() for n, p in model.named_parameters()},
+            "counts": per_step,
+            "num_buckets": ddp.num_buckets,
+        }
     # Sum reduction with a sum loss.
     model = toy.make_model("plain", seed=rank)
     ddp = gradsync.DistributedDataParallel(model, reduction="sum", bucket_cap_mb=300 / 2**20)
@@ -136,12 +156,14 @@ def test_accumulation_sum_and_bucket_views(world: int) -> None:
     ref_sum = _reference_sum(10)
     ref_plain = toy.train_reference("plain", "sgd", 10, world)
     for rank, out in enumerate(per_rank):
-        for cap in (0, 25.0):
-            r = out[("no_sync", cap)]
-            assert toy.max_diff(r["params"], ref_accum) <= TOL, (rank, cap)
+        for key in [
+            (how, cap) for how in ("no_sync", "require_backward_grad_sync") for cap in (0, 25.0)
+        ]:
+            r = out[key]
+            assert toy.max_diff(r["params"], ref_accum) <= TOL, (rank, key)
             # Exactly one all-reduce per bucket per optimizer step, however many micro-batches.
             for counts in r["counts"]:
-                assert counts.get("all_reduce", 0) == r["num_buckets"], (cap, counts)
+                assert counts.get("all_reduce", 0) == r["num_buckets"], (key, counts)
                 assert counts.get("broadcast", 0) == 0  # the toy model has no buffers
         # Sums of 24 per-sample gradients are ~24x larger than means; same relative error.
         assert toy.max_diff(out["sum"], ref_sum) <= 24 * TOL, rank

@@ -137,7 +137,10 @@ class DistributedDataParallel(nn.Module):
         self._autotune = AutoBuckets(first_bucket_cap_mb) if self.options.auto else None
         self._make_replicas_equal(self.options.settings(axis_names(device_mesh)))
         self.reducer = self._first_reducer()
-        self._require_sync = True
+        # torch DDP's switch, honoured as torch honours it: False makes the backward of the next
+        # forwards accumulate locally, as inside no_sync() (which sets it). nanoGPT, Lightning
+        # and Accelerate set it directly on an accumulation window's micro-steps.
+        self.require_backward_grad_sync = True
         self._replicas_checked_at = 0
         self._join_protocol = JoinProtocol(self._deadline)
         self._joining = False
@@ -242,7 +245,8 @@ class DistributedDataParallel(nn.Module):
             # may run on rank 0 alone and must not wait for the others.
             training = self.module.training
             num_active = self._before_training_forward(args, kwargs) if training else None
-            self.reducer.prepare_for_backward(self._require_sync, training, num_active)
+            sync = bool(self.require_backward_grad_sync)
+            self.reducer.prepare_for_backward(sync, training, num_active)
         except GradsyncError as exc:
             self._deadline.record_error(exc)  # so that the peers' timeout can name it
             raise
@@ -264,7 +268,8 @@ class DistributedDataParallel(nn.Module):
         self._deadline.begin(f"a training forward of step {steps}")
         num_active = None
         if self._joining:
-            num_active, _, _ = self._join_protocol.handshake(True, self._require_sync, broadcast)
+            sync = bool(self.require_backward_grad_sync)
+            num_active, _, _ = self._join_protocol.handshake(True, sync, broadcast)
         if not self._first_batch_checked:
             self._first_batch_checked = True
             warn_if_same_batch((args, kwargs), self._deadline)
@@ -339,14 +344,15 @@ class DistributedDataParallel(nn.Module):
 
         As in torch DDP the forward decides: the backward of a forward run inside ``no_sync``
         does not communicate, and the next synchronised backward reduces everything
-        accumulated, once per bucket.
+        accumulated, once per bucket. It sets :attr:`require_backward_grad_sync` to ``False``,
+        which a training loop may also set itself, as torch DDP allows (nanoGPT does).
         """
-        previous = self._require_sync
-        self._require_sync = False
+        previous = self.require_backward_grad_sync
+        self.require_backward_grad_sync = False
         try:
             yield
         finally:
-            self._require_sync = previous
+            self.require_backward_grad_sync = previous
 
     def shard_optimizer(
         self, optimizer_class: type[torch.optim.Optimizer], **defaults: Any
