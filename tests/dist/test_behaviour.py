@@ -51,51 +51,41 @@ def error_text(fn) -> str | None:  # type: ignore[no-untyped-def]
     return None
 
 
-def _accumulation_and_counts(rank: int, world: int) -> dict:
-    out: dict = {}
+def _accumulated(rank: int, world: int, cap: float, flag: bool) -> dict:
+    """Three optimizer steps of 4 micro-batches each, accumulated under ``no_sync()`` or, as
+    nanoGPT does (``flag``), by setting ``require_backward_grad_sync`` on every micro-step:
+    either equals one step on the 4x larger concatenated batch."""
     micro = 4
-    # no_sync over 4 micro-batches == one step on the 4x larger concatenated batch.
-    for cap in (0, 25.0):
-        model = toy.make_model("plain", seed=rank)
-        ddp = gradsync.DistributedDataParallel(model, bucket_cap_mb=cap)
-        opt = toy.make_optimizer("adamw", ddp.parameters())
-        per_step = []
-        for step in range(3):
-            opt.zero_grad()
-            batches = [toy.global_batch(step * micro + m) for m in range(micro)]
-            with count_collectives() as counts:
-                for m, batch in enumerate(batches):
-                    ctx = ddp.no_sync() if m < micro - 1 else contextlib.nullcontext()
-                    with ctx:
-                        loss = toy.loss_fn(ddp, toy.shard(batch, rank, world), "mean") / micro
-                        loss.backward()
-            per_step.append(dict(counts))
-            opt.step()
-        out[("no_sync", cap)] = {
-            "params": {n: p.detach().clone() for n, p in model.named_parameters()},
-            "counts": per_step,
-            "num_buckets": ddp.num_buckets,
-        }
-        # nanoGPT's loop: torch DDP's flag set on each micro-step instead of no_sync().
-        model = toy.make_model("plain", seed=rank)
-        ddp = gradsync.DistributedDataParallel(model, bucket_cap_mb=cap)
-        opt = toy.make_optimizer("adamw", ddp.parameters())
-        per_step = []
-        for step in range(3):
-            opt.zero_grad()
-            batches = [toy.global_batch(step * micro + m) for m in range(micro)]
-            with count_collectives() as counts:
-                for m, batch in enumerate(batches):
-                    ddp.require_backward_grad_sync = m == micro - 1
+    model = toy.make_model("plain", seed=rank)
+    ddp = gradsync.DistributedDataParallel(model, bucket_cap_mb=cap)
+    opt = toy.make_optimizer("adamw", ddp.parameters())
+    per_step = []
+    for step in range(3):
+        opt.zero_grad()
+        batches = [toy.global_batch(step * micro + m) for m in range(micro)]
+        with count_collectives() as counts:
+            for m, batch in enumerate(batches):
+                last = m == micro - 1
+                if flag:
+                    ddp.require_backward_grad_sync = last
+                ctx = ddp.no_sync() if not (flag or last) else contextlib.nullcontext()
+                with ctx:
                     loss = toy.loss_fn(ddp, toy.shard(batch, rank, world), "mean") / micro
                     loss.backward()
-            per_step.append(dict(counts))
-            opt.step()
-        out[("require_backward_grad_sync", cap)] = {
-            "params": {n: p.detach().clone() for n, p in model.named_parameters()},
-            "counts": per_step,
-            "num_buckets": ddp.num_buckets,
-        }
+        per_step.append(dict(counts))
+        opt.step()
+    return {
+        "params": {n: p.detach().clone() for n, p in model.named_parameters()},
+        "counts": per_step,
+        "num_buckets": ddp.num_buckets,
+    }
+
+
+def _accumulation_and_counts(rank: int, world: int) -> dict:
+    out: dict = {}
+    for cap in (0, 25.0):
+        out[("no_sync", cap)] = _accumulated(rank, world, cap, flag=False)
+        out[("require_backward_grad_sync", cap)] = _accumulated(rank, world, cap, flag=True)
     # Sum reduction with a sum loss.
     model = toy.make_model("plain", seed=rank)
     ddp = gradsync.DistributedDataParallel(model, reduction="sum", bucket_cap_mb=300 / 2**20)
