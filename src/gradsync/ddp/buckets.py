@@ -71,9 +71,12 @@ class Bucket:
     def arrive(self, slot: int) -> None:
         """``params[slot]``'s hook fired: its gradient is final for this backward. The copy
         into the buffer waits for :meth:`gather`, once the whole bucket has arrived."""
+        self._mark_ready(slot)
+        self.arrived.append(slot)
+
+    def _mark_ready(self, slot: int) -> None:
         self.ready[slot] = True
         self.pending -= 1
-        self.arrived.append(slot)
 
     def accumulate(self, slot: int) -> None:
         """``params[slot]``'s hook fired under ``no_sync()``: autograd keeps adding the window's
@@ -117,8 +120,7 @@ class Bucket:
         assert not self.ready[slot], "a parameter was marked ready twice in one backward"
         self.filled_late = True
         self._copy_in(slot, scale, False, zeros)
-        self.ready[slot] = True
-        self.pending -= 1
+        self._mark_ready(slot)
 
     def _copy_in(
         self, slot: int, scale: float | None, view_grad: bool, zeros: bool = False
@@ -209,8 +211,7 @@ class AccumulatingBucket(Bucket):
     """
 
     def arrive(self, slot: int) -> None:
-        self.ready[slot] = True
-        self.pending -= 1
+        self._mark_ready(slot)
         self.accumulate(slot)
 
     def accumulate(self, slot: int) -> None:

@@ -134,8 +134,9 @@ class DistributedDataParallel(nn.Module):
             check_main_grad_dtype(main_grad_dtype, gradient_as_bucket_view, self._layouts, module)
         except UsageError as exc:
             refuse_everywhere(exc, self._deadline)
-        self._autotune = AutoBuckets(first_bucket_cap_mb) if self.options.auto else None
-        self._make_replicas_equal(self.options.settings(axis_names(device_mesh)))
+        options = self.options
+        self._autotune = AutoBuckets(options.first_bucket_cap_mb) if options.auto else None
+        self._make_replicas_equal(options.settings(axis_names(device_mesh)))
         self.reducer = self._first_reducer()
         # torch DDP's switch, honoured as torch honours it: False makes the backward of the next
         # forwards accumulate locally, as inside no_sync() (which sets it). nanoGPT, Lightning
