@@ -8,7 +8,8 @@ Three variants train the same GPT with AdamW, interleaved round by round in the 
 - ``gradsync``: ``gradsync.DistributedDataParallel`` + ``torch.optim.AdamW`` (all-reduce, full
   optimizer state on every rank);
 - ``gradsync sharded``: the same wrapper with ``model.shard_optimizer(torch.optim.AdamW)``
-  (reduce-scatter, 1/d of the state, all-gather overlapped with the next forward);
+  (all-reduce into ``.grad``, 1/d of the state, each bucket's all-gather overlapped with the
+  next bucket's step);
 - ``torch ZeRO``: torch's ``DistributedDataParallel`` + ``ZeroRedundancyOptimizer(AdamW)``
   (all-reduce, whole parameters per rank, a broadcast per parameter after the step).
 

@@ -5,7 +5,9 @@ on the concatenated batch ([Note: main gradients], ``test_main_grads.py``): the 
 before the model is wrapped on ranks initialised differently, the model loaded after the
 optimizer was built, eval forwards with grad enabled between the backward and the step (on
 rank 0 alone, on every rank, and eval-mode training), float64 main gradients, clipping with
-``opt.clip_grad_norm_``, and refused main-gradient dtypes and clipping of ``.grad`` alone. The
+``opt.clip_grad_norm_``, gradients cleared after the backward (``opt.zero_grad()``,
+``model.zero_grad()``, ``opt.zero_grad(set_to_none=False)``), and refused main-gradient dtypes,
+clipping of ``.grad`` alone and learning rates that differ across ranks. The
 one-process cases (parameter groups, closures, loads that do not fit, outside writes) run in
 the test process.
 """
@@ -18,7 +20,16 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from test_main_grads import MICRO, STEPS, WORLD, batch, loss_of, make_model, reference_masters
+from test_main_grads import (
+    MICRO,
+    STEPS,
+    WORLD,
+    batch,
+    loss_of,
+    make_model,
+    reference_grads,
+    reference_masters,
+)
 from torch import nn
 
 import gradsync
@@ -38,6 +49,8 @@ def _train(
     main_grad_dtype: torch.dtype = torch.float32,
     optimizer: str = "AdamW",
     clip: str = "",
+    clear: dict[int, str] | None = None,
+    lr: float = LR,
 ) -> list[torch.Tensor]:
     """``STEPS`` steps of ``MICRO`` micro-batches with fp32 master weights; the masters.
 
@@ -46,16 +59,17 @@ def _train(
     other weights, then the model loaded; "load after a step": the same after one step (SGD:
     no state but the masters). ``clip``: "opt" clips to norm ``CLIP`` with
     ``opt.clip_grad_norm_``, "torch" with ``torch.nn.utils.clip_grad_norm_`` (``.grad``
-    only: refused)."""
+    only: refused). ``clear``: per step, how the gradients are cleared after the backward
+    (:func:`_clear`)."""
     model = make_model()
     with torch.no_grad():
         for p in model.parameters():
             p.add_({"opt first": rank, "load": 1.0, "load after a step": 1.0}.get(build, 0.0))
     if build == "opt first":
-        opt = MasterWeights(model.parameters(), getattr(torch.optim, optimizer), lr=LR)
+        opt = MasterWeights(model.parameters(), getattr(torch.optim, optimizer), lr=lr)
     ddp = gradsync.DistributedDataParallel(model, main_grad_dtype=main_grad_dtype, timeout=TIMEOUT)
     if build != "opt first":
-        opt = MasterWeights(model.parameters(), getattr(torch.optim, optimizer), lr=LR)
+        opt = MasterWeights(model.parameters(), getattr(torch.optim, optimizer), lr=lr)
     if build == "load after a step":
         _window(ddp, 0, rank, eval_forward)
         opt.step()
@@ -68,6 +82,7 @@ def _train(
             ddp.eval()  # an evaluation that forgot torch.no_grad()
             ddp(batch(0, 0, 0)[0])
             ddp.train()
+        _clear(opt, ddp, (clear or {}).get(step))
         if clip == "opt":
             opt.clip_grad_norm_(CLIP)
         elif clip == "torch":
@@ -89,6 +104,26 @@ def _window(ddp: nn.Module, step: int, rank: int, eval_forward: str) -> None:
     ddp.train()
 
 
+def _clear(opt: Any, model: nn.Module, how: str | None) -> None:
+    """Clear the gradients after the backward: "opt" ``opt.zero_grad()``, "model"
+    ``model.zero_grad()`` (both: nothing to step), "zeros" ``opt.zero_grad(set_to_none=False)``
+    (a zero gradient, which AdamW still steps), "model zeros" the same on the model (refused:
+    it zeroes ``.grad`` alone, not the ``main_grad`` the step reads)."""
+    if how == "opt":
+        opt.zero_grad()
+    elif how == "model":
+        model.zero_grad()
+    elif how == "zeros":
+        opt.zero_grad(set_to_none=False)
+    elif how == "model zeros":
+        model.zero_grad(set_to_none=False)
+
+
+# Of the STEPS = 3 steps the second steps nothing, the third a zero gradient (AdamW's moments
+# from the first still move the weights).
+CLEARS = {1: "opt", 2: "zeros"}
+
+
 def _refusals() -> dict[str, str]:
     errors = {}
     for dtype in (torch.float8_e4m3fn, torch.float16):
@@ -108,6 +143,7 @@ CASES: dict[str, dict[str, Any]] = {
     "eval-mode training": {"eval_forward": "training"},
     "float64 main grads": {"main_grad_dtype": torch.float64},
     "clipped": {"clip": "opt", "optimizer": "SGD"},  # SGD: the clipping moves every update
+    "cleared": {"clear": CLEARS},
 }
 
 
@@ -120,11 +156,17 @@ def _run(rank: int, world: int) -> dict[str, Any]:
             out[case] = _train(rank, **kwargs)
         except ReplicaMismatchError as exc:
             out[case] = str(exc)
-    try:
-        _train(rank, clip="torch")
-        out["torch's clip"] = "no error"
-    except UsageError as exc:  # in opt.step(), on every rank alike
-        out["torch's clip"] = str(exc)
+    refused = {
+        "torch's clip": {"clip": "torch"},
+        "model zeroed": {"clear": {0: "model zeros"}},
+        "lr on rank 1": {"lr": LR * (1 + rank)},
+    }
+    for case, kwargs in refused.items():
+        try:
+            _train(rank, **kwargs)
+            out[case] = "no error"
+        except UsageError as exc:  # in opt.step(), on every rank alike
+            out[case] = str(exc)
     return {"masters": out, "refused": _refusals()}
 
 
@@ -133,23 +175,48 @@ def _reference_masters(optimizer: str, clip: float = 0.0) -> list[torch.Tensor]:
     return reference_masters(make_model(), getattr(torch.optim, optimizer), LR, clip)
 
 
+def _reference_cleared(clear: dict[int, str]) -> list[torch.Tensor]:
+    """One process, fp32 AdamW masters, as torch clears: no gradient at the steps cleared to
+    ``None`` (the step skips every parameter), a zero gradient at those zeroed."""
+    model = make_model()
+    master = [p.detach().float().clone().requires_grad_(True) for p in model.parameters()]
+    opt = torch.optim.AdamW(master, lr=LR)
+    for step in range(STEPS):
+        grads = reference_grads(model, step)
+        for m, g in zip(master, grads, strict=True):
+            how = clear.get(step)
+            m.grad = None if how in ("opt", "model") else g * 0 if how == "zeros" else g
+        opt.step()
+        with torch.no_grad():
+            for p, m in zip(model.parameters(), master, strict=True):
+                p.copy_(m)
+    return [m.detach() for m in master]
+
+
 def test_misused_master_weights_train_as_one_process() -> None:
     results = spawn(_run, WORLD)
     want = {name: _reference_masters(name) for name in ("AdamW", "SGD")}
     want["clipped"] = _reference_masters("SGD", CLIP)
+    want["cleared"] = _reference_cleared(CLEARS)
     for rank, out in enumerate(results):
         torch_clip = out["masters"].pop("torch's clip")
         assert torch_clip.startswith("gradsync: MasterWeights: the .grad of parameter #0"), (
             torch_clip
         )
         assert "opt.clip_grad_norm_(max_norm)" in torch_clip, torch_clip
+        zeroed = out["masters"].pop("model zeroed")
+        assert "model.zero_grad(set_to_none=False)" in zeroed, zeroed
+        assert "clear with opt.zero_grad()" in zeroed, zeroed
+        lr = out["masters"].pop("lr on rank 1")
+        assert lr.startswith("gradsync: MasterWeights.step(): the ranks would step"), lr
+        assert "param group 0's 'lr' is 0.01 on rank 0 and 0.02 on rank 1" in lr, lr
         refused = out["refused"]
         assert set(refused) == {"torch.float8_e4m3fn", "torch.float16"}, (rank, refused)
         assert "main_grad_dtype" in refused["torch.float8_e4m3fn"], refused
         assert "narrower than parameter '0.weight'" in refused["torch.float16"], refused
         off = {}
         for case, got in out["masters"].items():
-            ref = want["clipped" if case == "clipped" else CASES[case].get("optimizer", "AdamW")]
+            ref = want.get(case, want[CASES[case].get("optimizer", "AdamW")])
             pairs = zip(got, ref, strict=True) if isinstance(got, list) else None
             off[case] = got if pairs is None else max((g - w).abs().max().item() for g, w in pairs)
         print(f"rank {rank}: largest difference from one process: {off}")

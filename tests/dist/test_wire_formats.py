@@ -170,7 +170,7 @@ def no_sync_and_rewrap(rank: int, world: int) -> dict[str, Any]:
     def run(micro: bool, rewrap: str | None) -> dict[str, torch.Tensor]:
         model = new_mlp()
         compression = PowerSGD(2)
-        ddp = wrap(model, compression=compression, bucket_cap_mb=None)
+        ddp = wrap(model, compression=compression, bucket_cap_mb=math.inf)
         opt = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
         for step in range(8):
             if step == 4 and rewrap is not None:  # another bucket plan: one bucket per parameter
@@ -279,7 +279,7 @@ def torch_hooks(rank: int, world: int) -> dict[str, Any]:
                     model, bucket_cap_mb=cap, find_unused_parameters=not low_rank
                 )
             else:
-                ddp = wrap(model, bucket_cap_mb=None if low_rank else 0)
+                ddp = wrap(model, bucket_cap_mb=math.inf if low_rank else 0)
             ddp.register_comm_hook(make_state(), hook)  # type: ignore[operator]
             opt = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
             try:

@@ -6,6 +6,7 @@ No process group, no network: numbers chosen so the expected values can be check
 from __future__ import annotations
 
 import argparse
+import math
 from pathlib import Path
 from typing import Any
 
@@ -64,7 +65,7 @@ def fake_result(rate_mbit: float | None) -> dict[str, Any]:
         ("gradsync cap 0 MB (per parameter)", "gradsync", 0.0),
         ("gradsync default (scaled)", "gradsync", "scaled"),
         ("gradsync cap 25 MB", "gradsync", 25.0),
-        ("gradsync one bucket", "gradsync", None),
+        ("gradsync one bucket", "gradsync", math.inf),
         ("gradsync bucket_cap_mb='auto'", "gradsync_auto", None),
         ("torch DDP default", "torch_ddp", 25.0),
         ("compute only (local)", "local", 25.0),
@@ -156,7 +157,8 @@ def test_loopback_has_no_ring_bound_and_reports_render(tmp_path: Path) -> None:
 def test_bench_caps_are_fixed_caps() -> None:
     from gradsync.bench import worker
 
-    assert worker.parse_cap("one") is None and worker.parse_cap("5") == 5.0
+    assert worker.parse_cap("one") == worker.parse_cap("none") == math.inf
+    assert worker.parse_cap("5") == 5.0
     for word in ("scaled", "auto"):  # both run in every bench, in rows of their own
         with pytest.raises(argparse.ArgumentTypeError, match="fixed caps"):
             worker.parse_cap(word)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 
 import pytest
 import torch
@@ -69,7 +70,7 @@ def test_every_parameter_is_planned_exactly_once() -> None:
 
 def test_cap_units_and_validation() -> None:
     assert cap_to_bytes(25.0) == 25 * 1024 * 1024
-    assert cap_to_bytes(None) is None
+    assert cap_to_bytes(None) is None and cap_to_bytes(math.inf) is None
     with pytest.raises(ValueError, match="bucket_cap_mb"):
         cap_to_bytes(-1)
 
@@ -81,7 +82,9 @@ def test_scaled_cap_is_an_eighth_of_the_gradients_between_1_and_25_mib() -> None
     # Bytes, not elements: bf16 counts half as much as fp32; "auto" starts from the same plan.
     params = [(4 * MB, F32), (8 * MB, torch.bfloat16), (8 * MB, F32)]  # 16 + 16 + 32 MiB
     assert resolve_cap("scaled", params) == resolve_cap("auto", params) == 8.0
-    assert resolve_cap(5.0, params) == 5.0 and resolve_cap(None, params) is None
+    assert resolve_cap(5.0, params) == 5.0 and resolve_cap(math.inf, params) == math.inf
+    # None is torch DDP's meaning (the default), not "one bucket" (math.inf is that).
+    assert resolve_cap(None, params) == resolve_cap("scaled", params)
     # The 1 MiB floor is on the wire: bf16 (half the bytes) buckets hold at least 2 MiB;
     # PowerSGD's ~1/80 of the bytes keeps torch's 25 MiB however small the model.
     assert scaled_cap_mb(50 * MB, 25 * MB) == 6.25 and scaled_cap_mb(8 * MB, 4 * MB) == 2.0
@@ -89,16 +92,17 @@ def test_scaled_cap_is_an_eighth_of_the_gradients_between_1_and_25_mib() -> None
     assert resolve_cap("scaled", params, wire_bytes=2 * MB) == 25.0
 
 
-@pytest.mark.parametrize("bad", ["fast", -1, float("nan"), float("inf"), True])
+@pytest.mark.parametrize("bad", ["fast", -1, float("nan"), -float("inf"), True])
 def test_a_cap_that_is_none_of_the_choices_is_refused_naming_them(bad: object) -> None:
     with pytest.raises(gradsync.UsageError, match="bucket_cap_mb.*'scaled' or 'auto'"):
         resolve_cap(bad, [])  # type: ignore[arg-type]
 
 
 def test_parse_cap() -> None:
-    assert parse_cap("none") is None and parse_cap("6.5") == 6.5 and parse_cap("0") == 0.0
+    assert parse_cap("none") == parse_cap("inf") == math.inf  # one bucket
+    assert parse_cap("6.5") == 6.5 and parse_cap("0") == 0.0
     assert parse_cap("Scaled") == "scaled" and parse_cap("auto") == "auto"
-    for bad in ("-1", "fast", "inf"):
+    for bad in ("-1", "fast", "-inf"):
         with pytest.raises(argparse.ArgumentTypeError, match=f"'scaled' or 'auto', got '{bad}'"):
             parse_cap(bad)
 

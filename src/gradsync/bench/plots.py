@@ -15,7 +15,8 @@ from gradsync.ddp.plan import SCALED
 
 
 def _cap_label(cap: float | str | None) -> str:
-    return "one" if cap is None else str(cap) if isinstance(cap, str) else f"{cap:g}"
+    one = cap is None or cap == float("inf")
+    return "one" if one else str(cap) if isinstance(cap, str) else f"{cap:g}"
 
 
 def plot_step_vs_bucket(results: Sequence[dict[str, Any]], path: str) -> None:

@@ -22,6 +22,7 @@ bytes). These variants have no communication-only replay: their collectives depe
 
 from __future__ import annotations
 
+import math
 import statistics
 from typing import Any
 
@@ -53,7 +54,10 @@ def wire_variants() -> tuple[Variant, ...]:
             "torch DDP + bf16_compress_hook", "torch_ddp_hook", TORCH_DEFAULT_CAP_MB, wire="bf16"
         ),
         Variant(
-            "torch DDP + PowerSGD hook rank 4 (1 bucket)", "torch_ddp_hook", None, wire="powersgd"
+            "torch DDP + PowerSGD hook rank 4 (1 bucket)",
+            "torch_ddp_hook",
+            math.inf,
+            wire="powersgd",
         ),
         Variant(
             f"gradsync bf16 wire, cap {SMALL_CAP_MB:g} MB",
@@ -89,7 +93,8 @@ def build(variant: Variant, gpt: nn.Module) -> nn.Module:
             first_bucket_cap_mb=variant.first_bucket_cap_mb,
             compression=compression,
         )
-    cap = ONE_BUCKET_MB if variant.bucket_cap_mb is None else variant.bucket_cap_mb
+    one_bucket = variant.bucket_cap_mb in (None, math.inf)
+    cap = ONE_BUCKET_MB if one_bucket else variant.bucket_cap_mb
     tddp = torch.nn.parallel.DistributedDataParallel(gpt, bucket_cap_mb=cap)
     if variant.wire == "bf16":
         tddp.register_comm_hook(None, bf16_hook)

@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import inspect
 import json
+import math
 import os
 import platform
 import sys
@@ -57,21 +58,21 @@ from gradsync.testing.busbw import allreduce_times
 MIB = 2**20
 COMM_PREFIX = "comm|"
 FLAT = "flat (all gradient bytes, 1 call)"
-DEFAULT_CAPS: tuple[float | None, ...] = (0.0, 1.0, 5.0, 25.0, 100.0, None)
+DEFAULT_CAPS: tuple[float, ...] = (0.0, 1.0, 5.0, 25.0, 100.0, math.inf)
 
 
 def bench_variants(
-    caps: Sequence[float | None] = DEFAULT_CAPS, formats: bool = False
+    caps: Sequence[float] = DEFAULT_CAPS, formats: bool = False
 ) -> tuple[Variant, ...]:
     """The variants ``gradsync bench`` compares: naive, gradsync's default and each fixed
     bucket cap, "auto", torch DDP, local; with ``formats`` also the wire formats of
     :func:`gradsync.bench.wire.wire_variants`.
 
-    ``None`` is one bucket for the whole model (gradsync's meaning of ``bucket_cap_mb=None``).
+    ``math.inf`` is one bucket for the whole model (``bucket_cap_mb=math.inf``).
     """
     variants = [Variant("average_gradients", "naive"), Variant(DEFAULT_NAME, "gradsync", SCALED)]
     for cap in caps:
-        label = "one bucket" if cap is None else f"cap {cap:g} MB"
+        label = "one bucket" if cap == math.inf else f"cap {cap:g} MB"
         if cap == 0:
             label += " (per parameter)"
         variants.append(Variant(f"gradsync {label}", "gradsync", cap))
@@ -309,11 +310,11 @@ class Progress:
                 f.write(f"{self.done} {self.total} {what}\n")
 
 
-def parse_cap(text: str) -> float | None:
-    """A fixed bucket cap in MiB from the command line; ``none`` means one bucket. The
-    default ("scaled") and "auto" run in every bench."""
+def parse_cap(text: str) -> float:
+    """A fixed bucket cap in MiB from the command line; ``none`` (or ``one``, ``inf``) means
+    one bucket (``math.inf``). The default ("scaled") and "auto" run in every bench."""
     if text.lower() in ("one", "inf"):
-        return None
+        return math.inf
     cap = plan.parse_cap(text)
     if isinstance(cap, str):
         raise argparse.ArgumentTypeError(f"--caps takes fixed caps ({cap!r} always runs)")
@@ -341,7 +342,7 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
         "--caps",
         nargs="+",
         type=_checked_cap,
-        default=["none" if c is None else f"{c:g}" for c in DEFAULT_CAPS],
+        default=["none" if c == math.inf else f"{c:g}" for c in DEFAULT_CAPS],
         help="gradsync bucket caps in MiB ('none': one bucket)",
     )
     p.add_argument(

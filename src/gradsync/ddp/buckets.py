@@ -39,7 +39,6 @@ class Bucket:
         as_view: bool = False,
         num_tags: int = 0,
         layouts: Sequence[GradLayout | None] | None = None,
-        padded_numel: int | None = None,
     ) -> None:
         self.spec = spec
         self.params = list(params)
@@ -47,8 +46,7 @@ class Bucket:
         self.layouts = list(layouts) if layouts is not None else [None] * len(self.params)
         device = self.params[0].device
         n_flags = len(params)
-        # A reduce-scatter needs equal slices: zeros pad the gradients (``optim/layout.py``).
-        n = spec.numel if padded_numel is None else padded_numel
+        n = spec.numel
         self.buffer = torch.zeros(n + n_flags + num_tags, dtype=spec.dtype, device=device)
         self.grads = self.buffer[:n]
         self.used_flags = self.buffer[n : n + n_flags]

@@ -11,27 +11,58 @@ had data. When a handshake sums to zero, all ranks are done.
 The protocol runs on gradsync's private process group (``failfast/group.py``), so a collective
 the active ranks issue on their own group (a logging all_reduce, say) can never be matched with a
 handshake: the waiting rank reaches its deadline and raises, naming what it waited for, instead
-of mixing unrelated tensors. Compare torch's ``Join`` context manager (pytorch RFC #38174),
-which this follows in spirit.
+of mixing unrelated tensors.
+
+torch's own ``Join`` context manager (``torch.distributed.algorithms.join``) drives the same
+protocol through :class:`TorchJoinHook`: torch counts the ranks still active with its own
+all-reduce and calls the hook's ``main_hook`` once per round on each rank that has joined, which
+answers one handshake (:meth:`JoinProtocol.serve_round`). The differences from ``model.join(opt)``
+are torch's: no optimizer steps on a joined rank (its parameters are replaced at the end, its
+optimizer state is left behind), and gradients are divided by the whole world size unless
+``divide_by_initial_world_size=False``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
 from gradsync.ddp.reducer import Reducer
+from gradsync.errors import UsageError
 from gradsync.failfast.deadline import Deadline
 
 
-class JoinProtocol:
-    """The handshake: one all-reduce of three int64 per training forward."""
+@dataclass(frozen=True)
+class JoinRounds:
+    """What the wrapper gives the protocol: its current reducer, its buffer broadcast, and
+    how every rank takes the final state at the end."""
 
-    def __init__(self, deadline: Deadline) -> None:
-        self.deadline = deadline
+    reducer: Callable[[], Reducer]
+    broadcast_buffers: Callable[[], None]
+    take_final_state: Callable[[], None]
+
+
+class JoinProtocol:
+    """The handshake (one all-reduce of three int64 per training forward), and whether this
+    wrapper is inside a join: ``model.join(optimizer)`` or torch's ``Join``."""
+
+    def __init__(self, deadline: Deadline, joinable: Joinable, rounds: JoinRounds) -> None:
+        self.deadline, self.joinable, self.rounds = deadline, joinable, rounds
         self.rounds_active = 0  # handshakes this rank answered with data
+        self.stepping = False  # inside model.join(optimizer)
+        self.divides_by_world = False  # torch's Join(divide_by_initial_world_size=True)
+
+    @property
+    def joining(self) -> bool:
+        """Inside ``model.join(optimizer)``, or inside torch's ``Join`` (which enables the
+        wrapper's ``_join_config``)."""
+        return self.stepping or self.joinable._join_config.enable
 
     def handshake(self, active: bool, sync: bool, broadcast: bool) -> tuple[int, bool, bool]:
         """(ranks still active, will they reduce, will they broadcast buffers) for this round."""
@@ -48,24 +79,86 @@ class JoinProtocol:
         num_active, syncing, broadcasting = t.tolist()
         return num_active, syncing > 0, broadcasting > 0
 
-    def serve_until_done(
-        self,
-        reducer: Reducer,
-        optimizer: torch.optim.Optimizer,
-        broadcast_buffers: Callable[[], None],
-    ) -> None:
-        """This rank is out of data: answer every round of the others until all are done."""
-        while True:
-            self.deadline.begin("join: this rank is out of data and waits for the others")
-            num_active, syncing, broadcasting = self.handshake(False, False, False)
-            if num_active == 0:
-                return
-            if broadcasting:
-                broadcast_buffers()
-            if syncing:
+    def active_round(self, sync: bool, broadcast: bool) -> int:
+        """An active rank's handshake; returns how many ranks are still active."""
+        num_active, _, _ = self.handshake(True, sync, broadcast)
+        return num_active
+
+    def serve_round(self, optimizer: torch.optim.Optimizer | None) -> bool:
+        """Answer one round of the active ranks' collectives; ``False`` once none is active.
+        Without an ``optimizer`` the reduced gradients are not applied here (torch's Join)."""
+        self.deadline.begin("join: this rank is out of data and waits for the others")
+        num_active, syncing, broadcasting = self.handshake(False, False, False)
+        if num_active == 0:
+            return False
+        if broadcasting:
+            self.rounds.broadcast_buffers()
+        if syncing:
+            if optimizer is not None:
                 optimizer.zero_grad()
-                reducer.shadow_backward(num_active, write_back=True)
+            write_back = optimizer is not None
+            self.rounds.reducer().shadow_backward(num_active, write_back, self.divides_by_world)
+            if optimizer is not None:
                 optimizer.step()
+        return True
+
+    def join(
+        self,
+        optimizer: torch.optim.Optimizer | None,
+        divide_by_initial_world_size: bool,
+        enable: bool,
+        throw_on_early_termination: bool,
+    ) -> AbstractContextManager[Any]:
+        """Train on uneven data: ranks that finish their batches early wait for the rest.
+
+        ``with model.join(optimizer):`` is gradsync's exact form. While waiting, a rank takes
+        part in every reduction of the others with zero weight and applies the reduced
+        gradients with ``optimizer``, so its parameters and optimizer state stay in step;
+        means are over the ranks that still had data, so training equals one process trained
+        on exactly the batches that existed. At the end every rank takes the parameters and
+        buffers of a rank that was active last. Step logic beyond ``optimizer.step()``
+        (gradient clipping, LR schedulers) does not run on waiting ranks: ``check_replicas()``
+        after the loop tells whether that mattered.
+
+        ``with model.join():`` (no optimizer) is torch DDP's, with torch's semantics: the same
+        as ``torch.distributed.algorithms.join.Join([model], enable,
+        throw_on_early_termination, divide_by_initial_world_size=...)``.
+        """
+        if optimizer is None:
+            return Join(
+                [self.joinable], enable, throw_on_early_termination,
+                divide_by_initial_world_size=divide_by_initial_world_size,
+            )  # fmt: skip
+        if not callable(getattr(optimizer, "step", None)):
+            raise UsageError(
+                f"join() takes the optimizer whose steps a waiting rank repeats, got "
+                f"{type(optimizer).__name__}; torch DDP's arguments are keyword-only here, e.g. "
+                "join(divide_by_initial_world_size=False)"
+            )
+        return self._stepping(optimizer)
+
+    @contextmanager
+    def _stepping(self, optimizer: torch.optim.Optimizer) -> Iterator[None]:
+        """``model.join(optimizer)``: answer every round of the others after this rank's loop
+        ends, then take the final state."""
+        self.rounds_active, self.stepping = 0, True
+        try:
+            yield
+        except BaseException:
+            self.stepping = False  # on an error, leave without waiting for the others
+            raise
+        try:
+            while self.serve_round(optimizer):
+                pass
+            self.rounds.take_final_state()
+        finally:
+            self.stepping = False
+
+    def torch_hook(self, divide_by_initial_world_size: bool = True) -> JoinHook:
+        """The hook torch's ``Join`` drives: torch counts the active ranks with its own
+        all-reduce, so each ``main_hook`` answers exactly one round."""
+        self.rounds_active, self.divides_by_world = 0, bool(divide_by_initial_world_size)
+        return _TorchJoinHook(self)
 
     def authoritative_rank(self) -> int:
         """A rank that was active in the last round (the highest such): its state is final."""
@@ -77,3 +170,18 @@ class JoinProtocol:
         )
         self.deadline.all_reduce(t, "the end of join (choosing the final state)", dist.ReduceOp.MAX)
         return int(t.item()) % world
+
+
+class _TorchJoinHook(JoinHook):
+    def __init__(self, protocol: JoinProtocol) -> None:
+        self.protocol = protocol
+
+    def main_hook(self) -> None:
+        self.protocol.serve_round(None)
+
+    def post_hook(self, is_last_joiner: bool) -> None:
+        # Leaving torch's Join (on every rank): its config back to disabled, so later forwards
+        # outside the context do not handshake.
+        Joinable.__init__(self.protocol.joinable)
+        self.protocol.divides_by_world = False
+        self.protocol.rounds.take_final_state()

@@ -27,9 +27,10 @@ class SyncOptions:
     """The wrapper's settings; the constructor's keyword arguments of the same names."""
 
     bucket_cap_mb: float | str | None = SCALED
-    """Bucket size in MiB: ``"scaled"`` (an eighth of the gradients' bytes, between 1 and 25
-    MiB), a number (``0``: a bucket per parameter), ``None`` (one bucket per dtype) or
-    ``"auto"`` (chosen from this job's profile; see ``autotune.py``)."""
+    """Bucket size in MiB: ``"scaled"`` (the default: an eighth of the gradients' bytes,
+    between 1 and 25 MiB; ``None`` means the default, as in torch DDP), a number (``0``: a
+    bucket per parameter; ``math.inf``: one bucket per dtype) or ``"auto"`` (chosen from this
+    job's profile; see ``autotune.py``)."""
 
     first_bucket_cap_mb: float | None = 1.0
     """A lower cap for the first bucket (the last layers' gradients), so that communication
@@ -39,12 +40,25 @@ class SyncOptions:
     """Count a parameter without a gradient on some rank as zero there, instead of raising
     ``UnusedParametersError`` on every rank."""
 
+    static_graph: bool = False
+    """torch DDP's promise that every step uses the same parameters: parameters unused in a
+    step are then allowed (they contribute zeros, as with ``find_unused_parameters``)."""
+
     gradient_as_bucket_view: bool = False
     """Make ``.grad`` tensors views into the bucket buffers (one copy and one set of gradients
     less)."""
 
     broadcast_buffers: bool = True
-    """Copy rank 0's buffers to every rank before each training-mode forward with grad."""
+    """Copy rank 0's buffers to every rank before each training-mode forward with grad
+    (torch 2.13 calls this ``forward_sync_buffers``; see ``torch_args.buffer_syncing``)."""
+
+    init_sync: bool = True
+    """Broadcast rank 0's parameters at construction; ``False``: the replicas must already be
+    equal, which is checked instead (a checksum per parameter)."""
+
+    init_sync_buffers: bool = True
+    """Broadcast rank 0's buffers at construction (``broadcast_buffers=False`` turns it off, as
+    in torch, for buffers meant to differ between ranks)."""
 
     reduction: str = "mean"
     """``"mean"``, ``"sum"`` or ``"item_mean"``: what the summed gradient is divided by
@@ -77,6 +91,8 @@ class SyncOptions:
         object.__setattr__(self, "algorithm", get_algorithm(self.algorithm))
         describe_compression(self.compression)
         check_cap(self.bucket_cap_mb)
+        if self.bucket_cap_mb is None:  # torch DDP's None: the default cap
+            object.__setattr__(self, "bucket_cap_mb", SCALED)
         if self.auto and isinstance(self.compression, PowerSGD):
             raise UsageError(
                 "bucket_cap_mb='auto' cannot be combined with compression=PowerSGD: its "
@@ -96,6 +112,12 @@ class SyncOptions:
         return self.bucket_cap_mb == "auto"
 
     @property
+    def tolerates_unused(self) -> bool:
+        """A parameter may get no gradient in a step (``find_unused_parameters`` or
+        ``static_graph``)."""
+        return self.find_unused_parameters or self.static_graph
+
+    @property
     def main_grads(self) -> bool:
         """Buckets own the gradients, in ``main_grad_dtype`` ([Note: main gradients])."""
         return self.main_grad_dtype is not None
@@ -107,8 +129,10 @@ class SyncOptions:
         return {
             "bucket_cap_mb": self.bucket_cap_mb, "first_bucket_cap_mb": self.first_bucket_cap_mb,
             "reduction": self.reduction, "find_unused_parameters": self.find_unused_parameters,
+            "static_graph": self.static_graph,
             "gradient_as_bucket_view": self.gradient_as_bucket_view,
-            "broadcast_buffers": self.broadcast_buffers, "algorithm": self.all_reduce.name,
+            "broadcast_buffers": self.broadcast_buffers, "init_sync": self.init_sync,
+            "init_sync_buffers": self.init_sync_buffers, "algorithm": self.all_reduce.name,
             "compression": describe_compression(self.compression),
             "check_finite": self.check_finite, "check_replicas_every": self.check_replicas_every,
             "device_mesh": mesh_axes, "main_grad_dtype": str(self.main_grad_dtype),
@@ -116,3 +140,25 @@ class SyncOptions:
                 self.compression
             ),
         }  # fmt: skip
+
+
+class Setting:
+    """A read-only attribute of the wrapper that reads one field of its :class:`SyncOptions`
+    (``reduction = Setting()`` reads ``options.reduction``). torch keeps some of these as plain
+    attributes; here an assignment raises ``AttributeError``, because a setting changed on one
+    rank after the cross-rank check at construction would silently desynchronise the ranks."""
+
+    def __init__(self, field: str | None = None) -> None:
+        self.field = field
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name, self.field = name, self.field or name
+
+    def __get__(self, wrapper: Any, owner: type | None = None) -> Any:
+        return self if wrapper is None else getattr(wrapper.options, str(self.field))
+
+    def __set__(self, wrapper: Any, value: Any) -> None:
+        raise AttributeError(
+            f"{self.name} is read-only on a gradsync wrapper: settings must agree across ranks, "
+            "so pass it to the constructor on every rank"
+        )

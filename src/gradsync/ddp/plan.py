@@ -77,13 +77,13 @@ def check_cap(
     words: tuple[str, ...] = CAP_WORDS,
 ) -> None:
     """``UsageError`` (a ``ValueError``) naming the choices, for a cap ``name`` that is not a
-    number >= 0, ``None`` or one of ``words``."""
+    number >= 0 (``math.inf``: unlimited), ``None`` or one of ``words``."""
     if bucket_cap_mb is None or bucket_cap_mb in words:
         return
     number = isinstance(bucket_cap_mb, (int, float)) and not isinstance(bucket_cap_mb, bool)
-    if number and 0 <= bucket_cap_mb < math.inf:  # type: ignore[operator]
+    if number and 0 <= bucket_cap_mb <= math.inf:  # type: ignore[operator]
         return
-    *others, last = ["a finite number >= 0", "None", *(repr(w) for w in words)]
+    *others, last = ["a number >= 0 (math.inf: one bucket)", "None", *(repr(w) for w in words)]
     choices = f"{', '.join(others)} or {last}"
     raise UsageError(f"{name} must be {choices}, got {bucket_cap_mb!r}")
 
@@ -95,9 +95,10 @@ def resolve_cap(
 ) -> float | None:
     """The cap in MiB a wrapper plans its buckets with, for parameters given as ``(numel,
     dtype)`` whose gradients take ``wire_bytes`` on the wire: "scaled" from those bytes,
-    "auto" starts from "scaled" (until it has chosen)."""
+    "auto" starts from "scaled" (until it has chosen). ``None`` is torch DDP's meaning, the
+    default ("scaled"); ``math.inf`` is one bucket per dtype."""
     check_cap(bucket_cap_mb)
-    if isinstance(bucket_cap_mb, str):
+    if bucket_cap_mb is None or isinstance(bucket_cap_mb, str):
         return scaled_cap_mb(grad_bytes(params), wire_bytes)
     return bucket_cap_mb
 
@@ -107,13 +108,13 @@ def grad_bytes(params: Sequence[tuple[int, torch.dtype]]) -> int:
     return sum(n * d.itemsize for n, d in params)
 
 
-def parse_cap(text: str) -> float | str | None:
-    """``bucket_cap_mb`` as written on a command line: a number of MiB, ``none`` (one
-    bucket), ``scaled`` or ``auto``; for argparse's ``type=``, so a refusal is an
-    ``ArgumentTypeError`` whose message argparse prints."""
+def parse_cap(text: str) -> float | str:
+    """``bucket_cap_mb`` as written on a command line: a number of MiB, ``none`` or ``inf``
+    (one bucket: ``math.inf``), ``scaled`` or ``auto``; for argparse's ``type=``, so a
+    refusal is an ``ArgumentTypeError`` whose message argparse prints."""
     word = text.strip().lower()
-    if word == "none":
-        return None
+    if word in ("none", "inf"):
+        return math.inf
     if word in CAP_WORDS:
         return word
     try:
@@ -129,8 +130,8 @@ def parse_cap(text: str) -> float | str | None:
 
 
 def cap_to_bytes(bucket_cap_mb: float | None) -> int | None:
-    """``bucket_cap_mb`` in bytes; ``None`` means unlimited (one bucket per dtype)."""
-    if bucket_cap_mb is None:
+    """``bucket_cap_mb`` in bytes; ``None`` or ``math.inf``: unlimited (one bucket per dtype)."""
+    if bucket_cap_mb is None or bucket_cap_mb == math.inf:
         return None
     if bucket_cap_mb < 0:
         raise ValueError(f"bucket_cap_mb must be >= 0 or None, got {bucket_cap_mb}")

@@ -26,7 +26,6 @@ from __future__ import annotations
 import enum
 import weakref
 from collections.abc import Callable, Sequence
-from typing import Protocol
 
 import torch
 from torch.utils.hooks import RemovableHandle
@@ -58,22 +57,6 @@ from gradsync.optim.master import stamp_grads
 _OWNERS: weakref.WeakValueDictionary[int, Reducer] = weakref.WeakValueDictionary()
 
 
-class GradientShards(Protocol):
-    """What the reducer needs of ZeRO's gradient shards (``sharding.py``): with them, each
-    rank keeps its slice of every bucket's reduced gradients instead of ``.grad``."""
-
-    @property
-    def padded_numels(self) -> Sequence[int]: ...  # per bucket: gradients padded to slices
-    @property
-    def grad_shards(self) -> Sequence[torch.Tensor]: ...  # per bucket: this rank's slice
-
-    def receive(self, buckets: Sequence[Bucket], counts: Sequence[Sequence[float]]) -> None:
-        """After a reduction: note the parameters unused everywhere; clear ``.grad``."""
-
-    def wait_all(self) -> None:
-        """Wait for every parameter all-gather still in flight."""
-
-
 class _Phase(enum.Enum):
     UNPREPARED = "unprepared"  # no forward through the wrapper since the last reduction
     ACCUMULATING = "accumulating"  # last forward ran under no_sync(): gradients stay local
@@ -86,7 +69,7 @@ class Reducer:
     """Owns the buckets, the hooks and the per-step state of gradient synchronisation.
 
     It is the only writer of its state: the wrapper tells it about each forward
-    (:meth:`prepare_for_backward`) and each rank waiting in ``join()`` (:meth:`shadow_backward`);
+    (:meth:`begin_forward`) and each rank waiting in ``join()`` (:meth:`shadow_backward`);
     autograd hooks and the end-of-backward callback do the rest.
     """
 
@@ -102,7 +85,6 @@ class Reducer:
         comm_hook: CommHook,
         reduction: Reduction,
         layouts: Sequence[GradLayout | None] = (),
-        sharding: GradientShards | None = None,
     ) -> None:
         # named_parameters() yields a tied parameter once, so it is reduced once.
         trainable = [(n, p) for n, p in watch.named if p.requires_grad]
@@ -119,7 +101,6 @@ class Reducer:
         self.world_size = deadline.world_size
         self.rank = deadline.rank
         self.layouts = list(layouts) or [None] * len(self.params)  # DTensors only
-        self.sharding = sharding  # see [Note: sharded steps in the wrapper] in sharding.py
         self.main_grads = options.main_grads  # see [Note: main gradients] in main_grads.py
         self.buckets = [self._bucket(b, spec) for b, spec in enumerate(specs)]
         self.location = {  # param index -> (bucket index, slot in bucket)
@@ -132,8 +113,10 @@ class Reducer:
         # Ranks that contribute data to the coming reduction: fewer than world_size once some
         # ranks have run out of data and joined (see join.py); they contribute zeros.
         self.num_active = self.world_size
+        self.by_world = False  # a mean divides by the world, not num_active (torch's Join)
         self.window_forwards = 0  # training forwards in this window (see [Note: step tags])
         self.window_no_sync = 0
+        self._counted_no_sync = False
         self.changes: list[str] = []  # how the parameter set differs from wrapping time
         self._tag_slots = TagSlots(self.buckets[0].tags, self.rank) if self.buckets else None
         self._local_nonfinite: list[str] = []
@@ -146,7 +129,6 @@ class Reducer:
             as_view=self.options.gradient_as_bucket_view,
             num_tags=NUM_FIELDS * self.world_size if b == 0 else 0,  # [Note: step tags]
             layouts=[self.layouts[i] for i in spec.param_indices],
-            padded_numel=self.sharding.padded_numels[b] if self.sharding is not None else None,
         )  # fmt: skip
 
     def _take_over_parameters(self) -> list[RemovableHandle]:
@@ -170,10 +152,9 @@ class Reducer:
         specs: Sequence[BucketSpec],
         *,
         comm_hook: CommHook | None = None,
-        sharding: GradientShards | None = None,
     ) -> Reducer:
         """A reducer of ``old``'s parameters, options, watch and reduction with other buckets
-        (and comm hook or sharding, if given); building it retires ``old``. Call it only
+        (and comm hook, if given); building it retires ``old``. Call it only
         between optimizer steps. It continues:
 
         - the step count, so that step tags and checkpoints go on (the same parameter watch);
@@ -190,7 +171,7 @@ class Reducer:
         new = cls(
             old.watch, specs, old.options, deadline=old.deadline,
             comm_hook=old.comm_hook if comm_hook is None else comm_hook,
-            reduction=old.reduction, layouts=old.layouts, sharding=sharding,
+            reduction=old.reduction, layouts=old.layouts,
         )  # fmt: skip
         new.num_reductions = old.num_reductions  # the same watch: step tags continue
         if phase in (_Phase.ACCUMULATING, _Phase.ARMED):
@@ -261,8 +242,8 @@ class Reducer:
         if self.phase is _Phase.REDUCING:
             raise ProtocolError("forward called while a synchronised backward is still running")
 
-    def prepare_for_backward(
-        self, sync: bool, training: bool, num_active: int | None = None
+    def begin_forward(
+        self, sync: bool, training: bool, num_active: int | None = None, by_world: bool = False
     ) -> None:
         """Called by every grad-enabled forward: decides whether its backward reduces, and over
         how many active ranks (``None``: all of them; fewer inside ``join()``). Only
@@ -272,10 +253,37 @@ class Reducer:
             start_window(self.buckets, training)  # an eval forward keeps main_grad: see there
         self.phase = _Phase.ARMED if sync else _Phase.ACCUMULATING
         self.num_active = self.world_size if num_active is None else num_active
+        self.by_world = by_world
         if training:
             self.window_forwards += 1
             self.window_no_sync += 0 if sync else 1
+        self._counted_no_sync = training and not sync  # undone by prepare_for_backward
         self.changes = self.watch.changes()
+
+    # -- torch's Reducer methods that Accelerate and Lightning call on a DDP's ``.reducer`` --
+    def prepare_for_backward(self, outputs: object = ()) -> None:
+        """torch's meaning: the backward of the forward just run synchronises, even though that
+        forward ran with ``require_backward_grad_sync=False`` (Accelerate's
+        ``trigger_sync_in_backward``; Lightning calls it before every synchronising backward).
+        ``outputs`` is torch's hint for finding unused parameters, which gradsync finds by
+        itself."""
+        if self.phase is _Phase.ACCUMULATING:
+            self.phase = _Phase.ARMED
+            self.window_no_sync -= int(self._counted_no_sync)
+            self._counted_no_sync = False
+        elif self.phase is _Phase.UNPREPARED:
+            raise ProtocolError(
+                "reducer.prepare_for_backward() needs a forward through the wrapper first"
+            )
+
+    def _rebuild_buckets(self) -> bool:
+        """torch rebuilds its buckets once, after the first step; gradsync plans them at
+        construction (or with ``bucket_cap_mb="auto"``): nothing to rebuild."""
+        return False
+
+    def _delay_all_reduce(self) -> None:
+        """torch's static-graph first step defers its reduction to the end of backward;
+        gradsync's first step reduces like every other: nothing was deferred."""
 
     def count_items(self, num_items: float) -> None:
         """Declare that the current micro-batch's (sum-reduced) loss covers ``num_items`` items."""
@@ -319,7 +327,8 @@ class Reducer:
         )
 
     def _pre_division(self) -> float | None:
-        return self.reduction.pre_division(self.num_active, self.comm_hook.divides_by)
+        ranks = self.world_size if self.by_world else self.num_active
+        return self.reduction.pre_division(ranks, self.comm_hook.divides_by)
 
     def _write_tag(self, contributes: bool) -> None:
         if self._tag_slots is None:
@@ -359,14 +368,14 @@ class Reducer:
             return
         self._complete(shadow=False, write_back=True)
 
-    def shadow_backward(self, num_active: int, write_back: bool) -> None:
+    def shadow_backward(self, num_active: int, write_back: bool, by_world: bool = False) -> None:
         """Take part in the other ranks' reduction with zeros: this rank has run out of data.
 
         Issues exactly the collectives of a synchronised backward (see join.py). With
         ``write_back`` the reduced gradients land in ``.grad``, so an optimizer step keeps this
         replica in step with the others.
         """
-        self.num_active = num_active
+        self.num_active, self.by_world = num_active, by_world
         self.phase = _Phase.REDUCING
         self.used = [False] * len(self.params)
         self.deadline.begin(f"a join round (step {self.num_reductions}, out of data)")
@@ -388,13 +397,9 @@ class Reducer:
             except NonFiniteGradientError:
                 self.comm_hook.discard_step()  # the step is skipped: so is its hook state
                 raise
-            if self.sharding is None:
-                self.reduction.post_divide([b.grads for b in self.buckets], readout.total_items)
-                if write_back:
-                    self._write_back(readout.counts)
-            else:  # each rank holds its shard of the reduced gradients, not .grad
-                self.reduction.post_divide(list(self.sharding.grad_shards), readout.total_items)
-                self.sharding.receive(self.buckets, readout.counts)
+            self.reduction.post_divide([b.grads for b in self.buckets], readout.total_items)
+            if write_back:
+                self._write_back(readout.counts)
             self.num_reductions += 1
         except GradsyncError as exc:
             self.deadline.record_error(exc)
@@ -408,7 +413,7 @@ class Reducer:
             num_active=self.num_active, num_reductions=self.num_reductions, watch=self.watch,
             changes=self.changes, nonfinite_here=self._local_nonfinite,
             compare_windows=not self.reduction.counts_items,  # see tags.find_desync
-            find_unused_parameters=self.options.find_unused_parameters,
+            find_unused_parameters=self.options.tolerates_unused,
         )  # fmt: skip
 
     def _launch_remaining(self, zeros: bool) -> None:
@@ -438,7 +443,7 @@ class Reducer:
         self.used = [False] * len(self.params)
         self.reduction.reset()
         self._local_nonfinite = []
-        self.num_active = self.world_size
+        self.num_active, self.by_world = self.world_size, False
         self.window_forwards = self.window_no_sync = 0
         self.phase = _Phase.UNPREPARED
 

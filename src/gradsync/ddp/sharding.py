@@ -1,190 +1,151 @@
-"""ZeRO-1 inside ``DistributedDataParallel``: gradients reduce-scattered into each rank's shard
-during backward, updated parameters all-gathered while the next forward runs.
+"""ZeRO-1 inside ``DistributedDataParallel``: the optimizer state sharded over the ranks, with
+torch's contracts kept (``.grad``, ``clip_grad_norm_``, ``zero_grad``, the parameters after
+``step()``).
 
 [Note: sharded steps in the wrapper]
 ``opt = model.shard_optimizer(torch.optim.AdamW, lr=...)`` builds a :class:`ShardedOptimizer`
 whose flat buckets are the wrapper's gradient buckets, parameter for parameter, padded to equal
-slices (``optim/layout.py``). Then, per bucket:
+slices (``optim/layout.py``): each rank keeps the optimizer state of its slice only. It has the
+shape of torch's ``ZeroRedundancyOptimizer`` under torch's DDP, which is what a training loop
+written for torch expects of it:
 
-1. Backward: when the bucket is full, a ``reduce_scatter`` leaves on each rank the sum of its
-   own slice only (pre-divided as the reduction says, like the all-reduce it replaces), and an
-   exact ``all_reduce`` of the bucket's tail (used flags and step tags, a few numbers per
-   parameter) keeps every check of the reducer working unchanged.
-2. ``opt.step()``: the inner optimizer steps this rank's slices from those shards, then one
-   ``all_gather`` per bucket is *started* and the step returns.
-3. Next forward: a forward pre-hook on each module waits for the all-gathers of the buckets
-   holding its parameters, just before it runs, so the gathers of later layers overlap the
-   forward of earlier ones (Megatron-LM's ``overlap_param_gather``).
+1. Backward: the buckets are all-reduced as without sharding (the same comm hook, overlapped
+   with backward), and every rank gets the full reduced gradient in ``.grad``: the reducer
+   does exactly what it does without sharding, and knows nothing of it.
+2. ``opt.step()``: one small all-reduce checks that every rank is about to step alike (the
+   same hyper-parameters, the same parameters holding a ``.grad``; see [Note: optimizer
+   settings agree across ranks] in ``optim/agree.py``); then, bucket by bucket, the inner
+   optimizer steps this rank's slices from ``.grad`` and the bucket's parameter all-gather is
+   started at once, overlapping the step of the next bucket; ``step()`` returns once every
+   gather has landed.
 
-Bytes per rank: the reduce-scatter and the all-gather each move ``(d-1)/d`` of the bucket, the
-same ``2(d-1)/d`` as the ring all-reduce they replace. ``.grad`` is left ``None`` after a sharded
-backward: the full reduced gradient exists nowhere (that is the memory saving), and this
-rank's local gradient must not be mistaken for it; clip with ``opt.clip_grad_norm_``. Anything
-that reads parameters between ``step()`` and the next forward (``state_dict()``,
-``check_replicas()``, a checkpoint) waits for the gathers first: :meth:`GradientShards.wait_all`.
+So the torch idioms mean what they mean without sharding. ``torch.nn.utils.clip_grad_norm_(
+model.parameters(), max_norm)`` reads the full reduced ``.grad`` and clips it by the global
+norm, the same on every rank, and the step reads the clipped ``.grad``. ``opt.zero_grad()`` or
+``model.zero_grad()`` after backward leaves nothing to step, as with torch (a ``.grad`` of
+``None`` is skipped; cleared on some ranks only, the check refuses the step on every rank).
+``model.module.state_dict()`` and ``model.module.parameters()`` right after ``step()`` hold the
+stepped weights on every rank: nothing is left in flight that a read of the module, which the
+wrapper cannot intercept, would race with.
+
+What it costs (figures and method in ``docs/zero.md``): the gradients travel as without
+sharding, plus one all-gather of the parameters, ``(d-1)/d`` of them: 1.5x the bytes of plain
+data parallelism, as torch's ZeRO. The first design (reduce-scatter in backward, ``.grad`` left
+``None``, the gathers waited for in the next forward's pre-hooks) sent 1.0x but broke all three
+idioms silently: torch's clip saw no gradient and returned 0, ``zero_grad()`` did not clear the
+reduce-scattered shards, and the module's parameters were stale (and different on each rank)
+until the next forward through the wrapper. Measured side by side (2 ranks, GPT 7.1M, AdamW):
+the step costs what the first design's did where compute hides the wire (0.97x on loopback,
+1.00x at 1 Gbit/s; the per-bucket overlap is worth 1.04-1.18x), and 1.28x on a 250 Mbit/s link
+(still 0.74x torch's ZeRO). A mode keeping the 1.0x would have to make those idioms fail loudly
+(a ``.grad`` whose every operation raises), not work; its saving is bytes, not memory: with
+``gradient_as_bucket_view=True`` the full ``.grad`` costs nothing beyond the buckets, and the
+optimizer state, the point of ZeRO-1, is sharded either way.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from datetime import timedelta
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from gradsync.comm import CommHook, CommStats, Handle
-from gradsync.comm.hook import BucketLike, tail
+from gradsync.comm import CommStats, Handle
 from gradsync.comm.ring import Ring, RingRunner, group_ring
 from gradsync.comm.worker import SerialWorker
 from gradsync.ddp.checks.verdicts import per_rank_lines
 from gradsync.ddp.plan import BucketSpec
-from gradsync.errors import ParametersChangedError
+from gradsync.ddp.reducer import _OWNERS
+from gradsync.errors import GradsyncError, ParametersChangedError
 from gradsync.failfast.deadline import Deadline
-from gradsync.optim import clip
+from gradsync.optim import agree, clip
+from gradsync.optim.buffers import FlatBucket
 from gradsync.optim.sharded import ShardedOptimizer
 
 
-class _Both:
-    """The handle of a bucket's two native collectives (its slice and its exact tail)."""
+class _Gather:
+    """How the stepped parameters travel: one all-gather per bucket of every rank's slice.
 
-    def __init__(self, *works: Any) -> None:
-        self.works = works
-
-    def wait(self, timeout: timedelta | None = None) -> bool:
-        for work in self.works:
-            work.wait(timeout) if timeout is not None else work.wait()
-        return True
-
-
-class _Wire(CommHook):
-    """How shards travel. Bucket ``i``: its gradients reduce-scattered (this rank's slice summed
-    into ``grad_shards[i]``), its tail all-reduced exactly; after the step, each bucket's
-    parameters all-gathered.
-
-    On gloo both halves run on gradsync's ring (``comm/ring.py``), because gloo's own
-    ``reduce_scatter`` moves as many bytes as a whole all-reduce (measured over a 1 Gbit/s link,
-    28 MB, 2 ranks: reduce_scatter 251 ms, all_reduce 234 ms, all_gather 163 ms, where the ring
-    bound of each half is 112 ms), which would make ZeRO cost 1.8x the bytes of plain data
-    parallelism. The ring's reduce-scatter sums in place, so there ``grad_shards[i]`` is this
-    rank's slice of the bucket itself. Other backends (NCCL) use their own collectives.
+    On gloo it runs on gradsync's ring (``comm/ring.py``) on a worker thread, because gloo's own
+    collectives move more bytes than the ring bound (measured over a 1 Gbit/s link, 28 MB, 2
+    ranks: all_gather 163 ms, reduce_scatter 251 ms, all_reduce 234 ms, where the ring bound of
+    each half is 112 ms). Other backends (NCCL) use their own ``all_gather_into_tensor``.
     """
 
     def __init__(self, group: dist.ProcessGroup) -> None:
         self.group = group
+        self.world_size = dist.get_world_size(group)
         self.native = dist.get_backend(group) != "gloo"
-        self.stats = CommStats()
-        self.grad_shards: list[torch.Tensor] = []
-        if not self.native:
+        self.stats = CommStats()  # the ring's count of the bytes it sent (gloo)
+        if not self.native and self.world_size > 1:
             ring = group_ring(group)
-            # Rotated by one, so that the reduce-scatter leaves rank p with slice p (the ring
-            # itself leaves rank p with chunk p + 1), as the optimizer's layout wants.
+            # Rotated by one, so that rank p starts from slice p (the ring's chunk p + 1), as
+            # the optimizer's layout has it.
             shifted = ring.ranks[1:] + ring.ranks[:1]
             self.ring = Ring(group, shifted, (ring.index - 1) % ring.size)
             self.runner = RingRunner(self.stats)
             self.worker = SerialWorker("gradsync-zero")
 
-    def bind(self, buckets: Sequence[BucketLike], optimizer: ShardedOptimizer) -> None:
-        """Where each bucket's reduced slice lands (see the class docstring)."""
-        for bucket, flat in zip(buckets, optimizer.buckets, strict=True):
-            lo, hi = flat.layout.rank_range(optimizer.rank)
-            native = torch.empty_like(flat.shard)
-            self.grad_shards.append(native if self.native else bucket.grads[lo:hi])
-
-    def start(self, bucket: BucketLike) -> Handle:
-        grads, exact = bucket.grads, tail(bucket)  # grads: padded to the equal slices
-        if self.native:
-            out = self.grad_shards[bucket.spec.index]
-            scatter = dist.reduce_scatter_tensor(out, grads, group=self.group, async_op=True)
-            return _Both(scatter, dist.all_reduce(exact, group=self.group, async_op=True))
-
-        def job() -> None:
-            if self.ring.size > 1:
-                self.runner.reduce_scatter(grads, self.ring)
-                self.runner.all_reduce(exact, self.ring)
-
-        return self.worker.submit(job)
-
-    def all_gather(self, flat: torch.Tensor, shard: torch.Tensor) -> Handle | None:
-        """Start gathering every rank's ``shard`` into ``flat`` (``None``: one rank)."""
-        if dist.get_world_size(self.group) == 1:
+    def start(self, bucket: FlatBucket) -> Handle | None:
+        """Start gathering every rank's slice of ``bucket`` into its flat buffer (``None``:
+        one rank, nothing to gather)."""
+        if self.world_size == 1:
             return None
+        flat = bucket.data
         if self.native:
-            return dist.all_gather_into_tensor(flat, shard, group=self.group, async_op=True)
+            return dist.all_gather_into_tensor(flat, bucket.shard, group=self.group, async_op=True)
         return self.worker.submit(lambda: self.runner.all_gather(flat, self.ring))
 
 
-class GradientShards:
-    """This rank's shard of every bucket's reduced gradient, and the parameter all-gathers."""
+class ShardedSteps:
+    """The wrapper's side of a sharded optimizer: each step runs under the wrapper's deadline,
+    from the reduced gradients the reducer left in ``.grad``."""
 
-    def __init__(self, optimizer: ShardedOptimizer, deadline: Deadline, module: nn.Module) -> None:
+    def __init__(self, optimizer: ShardedOptimizer, deadline: Deadline, peers: agree.Peers) -> None:
         assert deadline.group is not None
         self.optimizer = optimizer
         self.deadline = deadline
-        self.padded_numels = [b.layout.padded_numel for b in optimizer.buckets]
-        self.hook = _Wire(deadline.group)
-        self.grad_shards = self.hook.grad_shards  # filled by bind() once the buckets exist
-        self._unused: list[torch.Tensor] = []  # no gradient on any rank this step: not stepped
-        self._gathers: list[Any] = []  # per bucket, until waited for (None: done)
+        self.peers = peers
+        self.gather = _Gather(deadline.group)
+        self._in_flight: list[Any] = []  # all-gathers of a step that raised before its wait
         self._step = 0
-        bucket_of = {id(p): b.index for b in optimizer.buckets for p in b.params}
-        self._hooks = []
-        for m in module.modules():
-            mine = sorted(
-                {bucket_of[id(p)] for p in m.parameters(recurse=False) if id(p) in bucket_of}
-            )
-            if mine:
-                self._hooks.append(m.register_forward_pre_hook(self._waiter(mine)))
         optimizer.attach(self)
-
-    def receive(self, buckets: Sequence[Any], counts: Sequence[Sequence[float]]) -> None:
-        """After a sharded reduction: note what to skip and clear ``.grad`` (see the Note)."""
-        self._unused = [
-            p
-            for b, c in zip(buckets, counts, strict=True)
-            for p, n in zip(b.params, c, strict=True)
-            if n == 0
-        ]
-        for b in buckets:
-            for p in b.params:
-                p.grad = None
 
     @torch.no_grad()
     def step(self) -> None:
-        """Step this rank's slices from the reduced shards; start the parameter all-gathers."""
+        """Check that every rank steps alike, step each bucket's slices from ``.grad`` and
+        all-gather it, overlapped with the next bucket's step; return once all have landed."""
+        d = self.deadline
         self.wait_all()
-        self.optimizer.step_from_shards(self.grad_shards, skip=self._unused)
-        self._step += 1
-        self._gathers = [self.hook.all_gather(b.data, b.shard) for b in self.optimizer.buckets]
+        d.begin(f"the sharded optimizer's step {self._step + 1}")
+        try:
+            self.optimizer.check_step(self.peers)
+            self._in_flight = self.optimizer.step_and_gather(self.gather.start)
+            self._step += 1
+            self.wait_all()
+        except GradsyncError as exc:
+            d.record_error(exc)  # so that a peer's timeout can name it
+            raise
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """Clip the reduced gradient by its global norm, from the shards (padding is zero)."""
-        self.wait_all()  # a gather still running for a bucket no forward used yet
-        total = clip.total_norm(
-            list(self.grad_shards), norm_type, process_group=self.deadline.group,
-            device=self.grad_shards[0].device,
-        )  # fmt: skip
-        clip.clip_grads_with_norm_(list(self.grad_shards), max_norm, total)
+        """Clip ``.grad`` by its norm as ``torch.nn.utils.clip_grad_norm_`` does: every rank
+        holds the same reduced gradients, so that norm is the global one (no collective)."""
+        grads = [
+            p.grad for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None
+        ]
+        total = clip.total_norm(grads, norm_type)
+        clip.clip_grads_with_norm_(grads, max_norm, total)
         return total
 
-    def wait_bucket(self, index: int) -> None:
-        if index < len(self._gathers) and self._gathers[index] is not None:
-            work = self._gathers[index]
-            self._gathers[index] = None
-            assert work is not None
-            self.deadline.wait(work, f"the all-gather of bucket {index}'s parameters")
-
     def wait_all(self) -> None:
-        for index in range(len(self._gathers)):
-            self.wait_bucket(index)
-
-    def _waiter(self, indices: list[int]) -> Callable[..., None]:
-        def wait_before_forward(module: nn.Module, args: Any) -> None:
-            for index in indices:
-                self.wait_bucket(index)
-
-        return wait_before_forward
+        """Wait for all-gathers left in flight (only by a step that raised: ``step`` returns
+        with the parameters in place)."""
+        pending, self._in_flight = self._in_flight, []
+        for index, work in enumerate(pending):
+            if work is not None:
+                self.deadline.wait(work, f"the all-gather of bucket {index}'s parameters")
 
     def updates(self) -> int:
         """Optimizer steps taken: the same on every rank (for the step tags)."""
@@ -193,23 +154,54 @@ class GradientShards:
 
 def shard(
     specs: Sequence[BucketSpec],
-    params: Sequence[nn.Parameter],
+    named: Sequence[tuple[str, nn.Parameter]],
     changes: list[str],
     deadline: Deadline,
-    module: nn.Module,
     optimizer_class: type[torch.optim.Optimizer],
     defaults: dict[str, Any],
-) -> GradientShards:
-    """The gradient shards of ``DistributedDataParallel.shard_optimizer``: a
-    :class:`ShardedOptimizer` over ``params`` (the reducer's) whose flat buckets are the
-    wrapper's ``specs``, and the wire that fills them. A collective: every rank must call it.
-    ``changes``: how this rank's parameter set differs from wrapping time."""
+) -> ShardedSteps:
+    """The sharded steps of ``DistributedDataParallel.shard_optimizer``: a
+    :class:`ShardedOptimizer` over the parameters ``named`` (the reducer's) whose flat buckets
+    are the wrapper's ``specs``. A collective: every rank must call it. ``changes``: how this
+    rank's parameter set differs from wrapping time."""
     _refuse_changed_parameters(changes, deadline)
+    params = [p for _, p in named]
     buckets = [[params[i] for i in spec.param_indices] for spec in specs]
     opt = ShardedOptimizer(
         params, optimizer_class, process_group=deadline.group, buckets=buckets, **defaults
     )
-    return GradientShards(opt, deadline, module)
+    names = {id(p): name for name, p in named}
+    return ShardedSteps(opt, deadline, deadline_peers(deadline, names))
+
+
+def deadline_peers(deadline: Deadline, names: dict[int, str]) -> agree.Peers:
+    """The ranks of a wrapper, compared under its deadline on its private group (see [Note:
+    optimizer settings agree across ranks] in ``optim/agree.py``)."""
+
+    def reduce_max(values: list[int]) -> list[int]:
+        t = torch.tensor(values, dtype=torch.int64, device=deadline.device)
+        deadline.all_reduce(t, "the check that every rank steps alike", dist.ReduceOp.MAX)
+        return [int(v) for v in t.tolist()]
+
+    def gather(obj: Any) -> list[Any]:
+        return deadline.gather_objects(obj, "the comparison of the ranks' optimizer steps")
+
+    return agree.Peers(reduce_max, gather, names)
+
+
+def _wrapper_peers(params: Sequence[torch.Tensor]) -> agree.Peers | None:
+    """The ranks of the gradsync wrapper that holds ``params`` (its reducer's), for
+    ``MasterWeights``' first-step comparison ([Note: MasterWeights compares settings across
+    ranks] in ``optim/master.py``); ``None``: no wrapper, or a world of one."""
+    reducer = next((r for p in params if (r := _OWNERS.get(id(p))) is not None), None)
+    if reducer is None or reducer.world_size == 1:
+        return None
+    names = dict(zip(map(id, reducer.params), reducer.names, strict=True))
+    return deadline_peers(reducer.deadline, names)
+
+
+# The optimizers sit below the wrapper and cannot look it up: it tells them here.
+agree.add_peer_finder(_wrapper_peers)
 
 
 def _refuse_changed_parameters(changes: list[str], deadline: Deadline) -> None:

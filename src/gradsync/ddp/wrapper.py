@@ -7,31 +7,37 @@ Construction makes replicas equal (model check, rank 0 broadcast) and plans the 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+import math
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager, contextmanager
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 from torch.distributed.device_mesh import DeviceMesh
+from torch.nn.parallel import DistributedDataParallel as TorchDDP
+from torch.utils._pytree import tree_map
 
 from gradsync.comm import AllReduceAlgorithm, CommHook, torch_hooks
 from gradsync.comm.formats import Compression, describe_compression, make_comm_hook, wire_bytes
-from gradsync.ddp import sharding
+from gradsync.ddp import sharding, torch_args
 from gradsync.ddp.autoplan import BucketPlan
 from gradsync.ddp.autotune import AutoBuckets
 from gradsync.ddp.checks.diagnostics import check_can_wrap, check_replicas, warn_if_same_batch
 from gradsync.ddp.checks.model import check_same_model, describe, refuse_everywhere
 from gradsync.ddp.checks.param_watch import ParameterWatch
-from gradsync.ddp.join import JoinProtocol
+from gradsync.ddp.join import JoinProtocol, JoinRounds
 from gradsync.ddp.main_grads import check_main_grad_dtype
-from gradsync.ddp.options import SyncOptions
-from gradsync.ddp.plan import SCALED, BucketSpec, cap_to_bytes, plan_buckets, resolve_cap
-from gradsync.ddp.reducer import GradientShards, Reducer
+from gradsync.ddp.options import Setting, SyncOptions
+from gradsync.ddp.plan import BucketSpec, cap_to_bytes, plan_buckets, resolve_cap
+from gradsync.ddp.reducer import Reducer
 from gradsync.ddp.reduction import Reduction
 from gradsync.ddp.state_keys import comm_state_problem, refuse_mid_step, strip_prefixes
+from gradsync.ddp.torch_args import Device
+from gradsync.ddp.torch_surface import TorchSurface
 from gradsync.errors import GradsyncError, ProtocolError, UsageError
 from gradsync.failfast.deadline import as_timedelta, new_wrapper_deadline
 from gradsync.mesh.axes import axis_names, data_parallel_group
@@ -39,163 +45,164 @@ from gradsync.mesh.dtensors import grad_layouts, local
 from gradsync.optim.sharded import ShardedOptimizer
 
 
-class DistributedDataParallel(nn.Module):
+class DistributedDataParallel(TorchSurface, TorchDDP):  # type: ignore[override]
     """Data parallelism whose N-process training equals one-process training on the full batch.
 
-    Args:
+    A drop-in for ``torch.nn.parallel.DistributedDataParallel``: it takes torch's arguments in
+    torch's order, each with torch's meaning or refused with a ``UsageError`` saying what to use
+    instead (``torch_args.py``), and it *is* a torch DDP to ``isinstance`` (so Accelerate,
+    Lightning and torch.compile treat it as one) while none of torch's reducer runs: see
+    ``torch_surface.py`` for every torch DDP member and what gradsync does for it.
+
+    Args (torch's, in torch's order; what each does here is in ``torch_args.py``):
         module: the model; every rank must hold the same parameter names, shapes, dtypes and
             ``requires_grad`` flags (checked here; a mismatch raises ``ModelMismatchError``, a
             ``ValueError``, on every rank).
-        process_group: the ranks that hold replicas (default: the world).
+        device_ids, output_device, dim, broadcast_buffers, init_sync, process_group,
+            find_unused_parameters, gradient_as_bucket_view, static_graph,
+            forward_sync_buffers, and the rest of torch's: torch's meaning, or refused with
+            what to use instead (``mixed_precision``, ``bucket_cap_mb_list``, the delayed
+            all-reduce pair).
+        bucket_cap_mb: bucket size in MiB. ``None`` or ``"scaled"`` (the default): an eighth
+            of the gradients' bytes, between 1 and 25 MiB (see [Note: the default bucket cap]
+            in ``plan.py``); ``0``: one all-reduce per parameter; ``math.inf``: one bucket
+            (per dtype); ``"auto"``: chosen from this job's profile after a few steps
+            (:attr:`bucket_plan`; [Note: switching the bucket plan] in ``autotune.py``).
         device_mesh: instead of ``process_group``, the (sub-)mesh whose ranks saw different
-            data, e.g. ``mesh["dp"]`` or ``mesh["dp", "cp"]`` (its axes are reduced over as one
-            group; never include a tensor-parallel axis). Parameters may be DTensors (e.g.
-            from ``parallelize_module``): their local shards are reduced and their gradients
-            stay DTensors with the parameter's placements. See ``gradsync/mesh/``.
-        bucket_cap_mb: bucket size in MiB. ``"scaled"`` (the default): an eighth of the
-            gradients' bytes, between 1 and 25 MiB (torch DDP's default from 200 MiB of
-            gradients on; see [Note: the default bucket cap] in ``plan.py``); ``0``: one
-            all-reduce per parameter; ``None``: one bucket (per dtype); ``"auto"``: chosen
-            from this job's profile after a few steps (:attr:`bucket_plan`; see [Note:
-            switching the bucket plan] in ``autotune.py``). :attr:`bucket_cap_mb` holds the
-            cap in MiB the buckets were planned with.
+            data, e.g. ``mesh["dp"]`` or ``mesh["dp", "cp"]`` (never a tensor-parallel axis).
+            DTensor parameters' local shards are reduced; their gradients stay DTensors.
+
+    Keyword-only, gradsync's own:
         first_bucket_cap_mb: a lower cap for the first bucket (the last layers' gradients), so
             communication starts early in backward; ``None`` uses ``bucket_cap_mb`` for all.
-        find_unused_parameters: count a parameter without a gradient on some rank as zero there.
-            When ``False`` such a parameter raises :class:`UnusedParametersError` on every rank at
-            the end of the backward pass that missed it.
-        gradient_as_bucket_view: make ``.grad`` tensors views into the bucket buffers (saves one
-            copy and the memory of one set of gradients).
-        broadcast_buffers: before each training-mode forward with grad enabled, copy rank 0's
-            buffers (e.g. BatchNorm running statistics) to every rank.
         reduction: ``"mean"`` averages gradients over ranks (for mean-reduced losses);
             ``"sum"`` sums them (for sum-reduced losses); ``"item_mean"`` divides the sum by the
             number of items (samples, tokens) declared with :meth:`count_items` on all ranks
-            and micro-batches of the optimizer step: the exact global mean, whatever the split
-            (use with sum-reduced losses).
-        algorithm: the all-reduce used for every bucket: a name from ``gradsync.comm.ALGORITHMS``
+            and micro-batches of the optimizer step: the exact global mean, whatever the split.
+        algorithm: the all-reduce of every bucket: a name from ``gradsync.comm.ALGORITHMS``
             or an :class:`~gradsync.comm.AllReduceAlgorithm` instance.
-        compression: the wire format of the gradients: ``None`` (exact), ``"bf16"`` or
-            ``"fp16"`` (half the bytes, fp32 accumulation) or a
-            :class:`gradsync.comm.PowerSGD` (low rank, error feedback); see
-            ``gradsync/comm/formats.py`` for what each changes. Used flags and step tags
+        compression: the gradients' wire format: ``None`` (exact), ``"bf16"`` or ``"fp16"``
+            (half the bytes, fp32 accumulation) or a :class:`gradsync.comm.PowerSGD` (low
+            rank, error feedback); see ``gradsync/comm/formats.py``. Used flags and step tags
             always travel exactly.
         timeout: deadline (seconds or ``timedelta``) for each of gradsync's collectives; past it
             every waiting rank raises ``CollectiveTimeoutError`` saying what it waited for.
         check_finite: check each bucket for NaN/Inf before communication; on a hit every rank
-            raises ``NonFiniteGradientError`` naming rank, bucket and parameter (costs one
+            raises ``NonFiniteGradientError`` naming rank, bucket and parameter (one
             device-to-host sync per bucket).
         check_replicas_every: every this many optimizer steps, compare parameter checksums
             across ranks (:meth:`check_replicas`) at the next forward; 0 disables.
         main_grad_dtype: e.g. ``torch.float32`` for a bf16 model: gradients are accumulated
-            (micro-batches too) and reduced in this dtype, and land in ``p.main_grad``
-            (``.grad`` gets them rounded); see [Note: main gradients] in ``main_grads.py``.
+            and reduced in this dtype, into ``p.main_grad`` (``.grad`` gets them rounded); see
+            [Note: main gradients] in ``main_grads.py``.
     """
 
     _torch_hook: Callable[..., Any] | None = None  # set by register_comm_hook
     _forward_ran = False  # a forward ran through the wrapper (hooks register before that)
     _first_batch_checked = False  # the first training forward's batches were compared
+    _replicas_checked_at = 0  # the step of the last check_replicas_every check
+    _sharded: sharding.ShardedSteps | None = None  # set by shard_optimizer
 
-    def __init__(
-        self,
-        module: nn.Module,
-        *,
-        process_group: dist.ProcessGroup | None = None,
-        device_mesh: DeviceMesh | None = None,
-        bucket_cap_mb: float | str | None = SCALED,
-        first_bucket_cap_mb: float | None = 1.0,
-        find_unused_parameters: bool = False,
-        gradient_as_bucket_view: bool = False,
-        broadcast_buffers: bool = True,
-        reduction: str = "mean",
-        algorithm: str | AllReduceAlgorithm = "native",
-        compression: Compression = None,
-        timeout: float | timedelta = 300.0,
-        check_finite: bool = False,
-        check_replicas_every: int = 0,
+    def __init__(  # torch DDP's parameters in torch's order, then gradsync's own
+        self, module: nn.Module, device_ids: Sequence[Device] | None = None,
+        output_device: Device | None = None, dim: int = 0, broadcast_buffers: bool | None = None,
+        init_sync: bool = True, process_group: dist.ProcessGroup | None = None,
+        bucket_cap_mb: float | str | None = None, find_unused_parameters: bool = False,
+        check_reduction: bool = False, gradient_as_bucket_view: bool = False,
+        static_graph: bool = False, delay_all_reduce_named_params: Any = None,
+        param_to_hook_all_reduce: Any = None, mixed_precision: Any = None,
+        device_mesh: DeviceMesh | None = None, skip_all_reduce_unused_params: bool = False,
+        bucket_cap_mb_list: list[int] | None = None, batched_grad_copy: bool = False,
+        forward_sync_buffers: bool | None = None, *, first_bucket_cap_mb: float | None = 1.0,
+        reduction: str = "mean", algorithm: str | AllReduceAlgorithm = "native",
+        compression: Compression = None, timeout: float | timedelta = 300.0,
+        check_finite: bool = False, check_replicas_every: int = 0,
         main_grad_dtype: torch.dtype | None = None,
-    ) -> None:
-        super().__init__()
+    ) -> None:  # fmt: skip
+        # torch's __init__ would build torch's C++ reducer: only the two bases' own state here.
+        nn.Module.__init__(self)
+        Joinable.__init__(self)
         check_can_wrap(module, DistributedDataParallel)
-        self.module, self.device_mesh = module, device_mesh
-        self.process_group = process_group = data_parallel_group(process_group, device_mesh)
-        deadline_s = as_timedelta(timeout)
-        self._deadline = new_wrapper_deadline(process_group, deadline_s)
+        torch_args.warn_deprecated(check_reduction, broadcast_buffers, forward_sync_buffers)
+        self.module, self.device_mesh, self.dim = module, device_mesh, dim
+        process_group = data_parallel_group(process_group, device_mesh)
+        self.process_group = process_group  # type: ignore[assignment]  # torch: never None
+        self._deadline = new_wrapper_deadline(process_group, as_timedelta(timeout))
+        self.parameters_to_ignore = torch_args.ignored_names(module)
         try:  # a refusal on one rank is raised on every rank, in place of the model check
+            where, each_forward, at_init = torch_args.resolve(
+                module, self.parameters_to_ignore, device_ids, output_device, broadcast_buffers,
+                forward_sync_buffers, delay_all_reduce_named_params=delay_all_reduce_named_params,
+                param_to_hook_all_reduce=param_to_hook_all_reduce,
+                mixed_precision=mixed_precision, bucket_cap_mb_list=bucket_cap_mb_list,
+            )  # fmt: skip
             self.options = SyncOptions(
                 bucket_cap_mb=bucket_cap_mb, first_bucket_cap_mb=first_bucket_cap_mb,
-                find_unused_parameters=find_unused_parameters,
+                find_unused_parameters=find_unused_parameters, static_graph=static_graph,
                 gradient_as_bucket_view=gradient_as_bucket_view,
-                broadcast_buffers=broadcast_buffers, reduction=reduction, algorithm=algorithm,
-                compression=compression, timeout=deadline_s, check_finite=check_finite,
+                broadcast_buffers=each_forward, init_sync=init_sync, init_sync_buffers=at_init,
+                reduction=reduction, algorithm=algorithm,
+                compression=compression, timeout=self._deadline.timeout, check_finite=check_finite,
                 check_replicas_every=check_replicas_every, main_grad_dtype=main_grad_dtype,
             )  # fmt: skip
-            self._layouts = grad_layouts(module.named_parameters(), process_group)
+            self._layouts = grad_layouts(self._named_parameters(), process_group)
             check_main_grad_dtype(main_grad_dtype, gradient_as_bucket_view, self._layouts, module)
         except UsageError as exc:
             refuse_everywhere(exc, self._deadline)
-        options = self.options
-        self._autotune = AutoBuckets(options.first_bucket_cap_mb) if options.auto else None
-        self._make_replicas_equal(options.settings(axis_names(device_mesh)))
+        # torch DDP's public record of where the replica lives (Accelerate and Lightning read it).
+        self.device_ids, self.output_device = where.device_ids, where.output_device
+        self.device, self.device_type = where.device, where.device_type
+        self.is_multi_device_module = where.is_multi_device_module
+        # torch's flags, plain attributes that nanoGPT, Lightning and Accelerate set themselves.
+        self.require_backward_grad_sync = self.require_forward_param_sync = True
+        self.skip_all_reduce_unused_params = skip_all_reduce_unused_params  # torch's hints: the
+        self.batched_grad_copy = batched_grad_copy  # results are the same either way
+        self._autotune = AutoBuckets(first_bucket_cap_mb) if self.options.auto else None
+        self._make_replicas_equal(self.options.settings(axis_names(device_mesh)))
         self.reducer = self._first_reducer()
-        # torch DDP's switch, honoured as torch honours it: False makes the backward of the next
-        # forwards accumulate locally, as inside no_sync() (which sets it). nanoGPT, Lightning
-        # and Accelerate set it directly on an accumulation window's micro-steps.
-        self.require_backward_grad_sync = True
-        self._replicas_checked_at = 0
-        self._join_protocol = JoinProtocol(self._deadline)
-        self._joining = False
+        rounds = JoinRounds(lambda: self.reducer, self._broadcast_buffers, self._take_final_state)
+        self._join = JoinProtocol(self._deadline, self, rounds)
 
     # -- the settings, as torch DDP exposes them (read-only: they must agree across ranks) ----
-    @property
-    def reduction(self) -> str:
-        return self.options.reduction
-
-    @property
-    def broadcast_buffers(self) -> bool:
-        return self.options.broadcast_buffers
-
-    @property
-    def compression(self) -> Compression:
-        return self.options.compression
-
-    @property
-    def algorithm(self) -> AllReduceAlgorithm:
-        return self.options.all_reduce
-
-    @property
-    def timeout(self) -> timedelta:
-        return self.options.timeout
-
-    @property
-    def check_replicas_every(self) -> int:
-        return self.options.check_replicas_every
-
-    @property
-    def main_grad_dtype(self) -> torch.dtype | None:
-        return self.options.main_grad_dtype
+    reduction, broadcast_buffers, compression, timeout = Setting(), Setting(), Setting(), Setting()
+    find_unused_parameters, static_graph, gradient_as_bucket_view = Setting(), Setting(), Setting()
+    check_replicas_every, main_grad_dtype = Setting(), Setting()
+    forward_sync_buffers, algorithm = Setting("broadcast_buffers"), Setting("all_reduce")
 
     @property
     def bucket_specs(self) -> list[BucketSpec]:
         """The layout of the buckets in use (``bucket_cap_mb="auto"`` may replace it)."""
         return self.reducer.specs
 
+    def _named_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        """The module's parameters that are data-parallel (all but torch DDP's ignore list)."""
+        ignore = self.parameters_to_ignore
+        return [(n, p) for n, p in self.module.named_parameters() if n not in ignore]
+
+    def _named_buffers(self) -> list[tuple[str, torch.Tensor]]:
+        ignore = self.parameters_to_ignore
+        return [(n, b) for n, b in self.module.named_buffers() if n not in ignore]
+
     def _make_replicas_equal(self, settings: dict[str, Any]) -> None:
-        """Check that every rank holds the same model and settings, then copy rank 0's state."""
-        named_params = list(self.module.named_parameters())
-        named_buffers = list(self.module.named_buffers())
+        """Check that every rank holds the same model and settings, then copy rank 0's state
+        (with ``init_sync=False``: check that the parameters already are rank 0's)."""
+        named_params, named_buffers = self._named_parameters(), self._named_buffers()
         check_same_model(describe(named_params, named_buffers), settings, self._deadline)
-        self._deadline.broadcast(
-            [p.data for _, p in named_params] + [b for _, b in named_buffers],
-            0,
-            "the initial broadcast of rank 0's parameters and buffers",
-        )
+        options = self.options
+        sent = [p.data for _, p in named_params] if options.init_sync else []
+        sent += [b for _, b in named_buffers] if options.init_sync_buffers else []
+        if sent:
+            what = "the initial broadcast of rank 0's parameters and buffers"
+            self._deadline.broadcast(sent, 0, what)
+        if not options.init_sync:
+            hint = "init_sync=False needs equal replicas: seed the model the same on every rank"
+            check_replicas(named_params, self._deadline, hint)
         self._buffers_to_sync = [b for _, b in named_buffers]
 
     # -- the reducer: built here, replaced only here -------------------------------------------
     def _first_reducer(self) -> Reducer:
         """Plan the buckets of the trainable parameters and hook them up."""
-        options, watch = self.options, ParameterWatch(self.module)
+        options, watch = self.options, ParameterWatch(self.module, self.parameters_to_ignore)
         # named_parameters() already yields a tied parameter once, so it is reduced once.
         named = [(n, p) for n, p in watch.named if p.requires_grad]
         # (numel, dtype) of each trainable parameter's gradient as the buckets hold it.
@@ -219,80 +226,87 @@ class DistributedDataParallel(nn.Module):
         )  # fmt: skip
 
     def _replace_reducer(
-        self,
-        specs: list[BucketSpec],
-        *,
-        comm_hook: CommHook | None = None,
-        sharding: GradientShards | None = None,
-    ) -> Reducer:
-        """Install a reducer with buckets ``specs`` (and ``comm_hook`` or ``sharding``) that
+        self, specs: list[BucketSpec], *, comm_hook: CommHook | None = None,
+    ) -> Reducer:  # fmt: skip
+        """Install a reducer with buckets ``specs`` (and ``comm_hook``) that
         continues the current one's step count and open window (``Reducer.succeed``); the
         only way the reducer changes after construction. Only between optimizer steps."""
-        self.reducer = Reducer.succeed(self.reducer, specs, comm_hook=comm_hook, sharding=sharding)
+        self.reducer = Reducer.succeed(self.reducer, specs, comm_hook=comm_hook)
         return self.reducer
 
     def _adopt_plan(self, specs: list[BucketSpec], cap_mb: float | None) -> Reducer:
         """``bucket_cap_mb="auto"``: buckets ``specs``, planned with ``cap_mb``, from now on."""
-        self.bucket_cap_mb = cap_mb  # the cap the buckets in use were planned with
+        # the cap the buckets in use were planned with (the plan's None: one bucket)
+        self.bucket_cap_mb = math.inf if cap_mb is None else cap_mb
         return self._replace_reducer(specs)
 
+    @torch.compiler.disable(recursive=False)  # see _before_training_forward
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        args, kwargs = self._before_training_forward(args, kwargs)
+        return self._run_module(args, kwargs)
+
+    @torch.compiler.disable(recursive=False)  # see _before_training_forward
+    def _run_module(self, args: Any, kwargs: Any) -> Any:
+        # As torch DDP does: marks this wrapper active while the module runs, so that
+        # torch.compile's DDPOptimizer splits a compiled module's graph at bucket boundaries.
+        with self._inside_ddp_forward():
+            return self.module(*args, **kwargs)
+
+    @torch.compiler.disable  # never traced, nor anything it calls
+    def _before_training_forward(self, args: Any, kwargs: Any) -> tuple[Any, Any]:
+        """What a forward does before its module runs, the same on every rank: move the inputs
+        and, with grad enabled, the protocol checks, the step's bookkeeping and, in training
+        mode, the small collectives; returns the inputs to run the module with. torch.compile
+        runs it eagerly and skips the frames of forward and _run_module (recursive=False: what
+        they call is traced): it traces the module call alone, as one graph split by
+        DDPOptimizer, and breaks only in torch's _inside_ddp_forward, as torch DDP does."""
+        if self.device_ids:  # torch's rule: inputs go to the replica's device
+            args, kwargs = _to_device((args, kwargs), self.device)
         if not torch.is_grad_enabled():
-            return self.module(*args, **kwargs)  # no_grad: nothing to synchronise
+            return args, kwargs  # under no_grad: nothing to synchronise
         self._forward_ran = True
+        training = self.module.training
+        if training:  # inside torch's Join: tell the joined ranks this one has not (join_hook())
+            Join.notify_join_context(self)
         try:
             self.reducer.check_forward_allowed()
-            # Collectives only in training mode: an eval-mode forward, even with grad enabled,
-            # may run on rank 0 alone and must not wait for the others.
-            training = self.module.training
-            num_active = self._before_training_forward(args, kwargs) if training else None
-            sync = bool(self.require_backward_grad_sync)
-            self.reducer.prepare_for_backward(sync, training, num_active)
+            steps, sync = self.reducer.num_reductions, bool(self.require_backward_grad_sync)
+            broadcast = self.broadcast_buffers and bool(self._buffers_to_sync)
+            every, checked = self.check_replicas_every, self._replicas_checked_at
+            check_due = every and steps and steps % every == 0 and checked != steps
+            if training and self._autotune is not None:  # a step boundary: may switch the plan
+                self._autotune.before_forward(
+                    self.reducer, self._join.joining, self.bucket_sizes, self.bucket_cap_mb,
+                    self._adopt_plan,
+                )  # fmt: skip
+            joining, num_active = self._join.joining, None
+            # Collectives in training mode only: an eval forward may run on rank 0 alone.
+            if training and (broadcast or joining or check_due or not self._first_batch_checked):
+                self._deadline.begin(f"a training forward of step {steps}")
+                if joining:  # how many ranks still have data inside join()
+                    num_active = self._join.active_round(sync, broadcast)
+                if not self._first_batch_checked:
+                    self._first_batch_checked = True
+                    warn_if_same_batch((args, kwargs), self._deadline)
+                if check_due:
+                    self._replicas_checked_at = steps
+                    self.check_replicas()
+                if broadcast:
+                    self._broadcast_buffers()
+            self.reducer.begin_forward(sync, training, num_active, self._join.divides_by_world)
         except GradsyncError as exc:
             self._deadline.record_error(exc)  # so that the peers' timeout can name it
             raise
-        return self.module(*args, **kwargs)
-
-    def _before_training_forward(self, args: Any, kwargs: Any) -> int | None:
-        """The collectives a training forward starts with, the same on every rank; returns the
-        number of ranks that still have data inside ``join()`` (``None``: all)."""
-        steps = self.reducer.num_reductions
-        broadcast = self.broadcast_buffers and bool(self._buffers_to_sync)
-        every = self.check_replicas_every
-        check_due = every and steps and steps % every == 0 and self._replicas_checked_at != steps
-        if self._autotune is not None:  # a step boundary on every rank: may switch the plan
-            self._autotune.before_forward(
-                self.reducer, self._joining, self.bucket_sizes, self.bucket_cap_mb, self._adopt_plan
-            )
-        if not (broadcast or self._joining or check_due or not self._first_batch_checked):
-            return None  # no collective before this forward
-        self._deadline.begin(f"a training forward of step {steps}")
-        num_active = None
-        if self._joining:
-            sync = bool(self.require_backward_grad_sync)
-            num_active, _, _ = self._join_protocol.handshake(True, sync, broadcast)
-        if not self._first_batch_checked:
-            self._first_batch_checked = True
-            warn_if_same_batch((args, kwargs), self._deadline)
-        if check_due:
-            self._replicas_checked_at = steps
-            self.check_replicas()
-        if broadcast:
-            self._broadcast_buffers()
-        return num_active
+        return args, kwargs
 
     def _broadcast_buffers(self, src: int = 0) -> None:
         what = f"the broadcast of rank {src}'s buffers before a training forward"
         self._deadline.broadcast(self._buffers_to_sync, src, what)
 
     def count_items(self, num_items: float) -> None:
-        """Declare how many items (samples, valid tokens) this micro-batch's summed loss covers.
-
-        With ``reduction="item_mean"`` the synchronised gradient is the sum over every rank and
-        micro-batch of the optimizer step divided by the total of these counts: the exact mean
-        over items, however they are split across ranks and accumulation steps. The totals are
-        exchanged in one small all-reduce per optimizer step.
-        """
+        """Declare how many items (samples, valid tokens) this micro-batch's summed loss covers:
+        with ``reduction="item_mean"`` the gradient is divided by the total over every rank and
+        micro-batch of the step, the exact mean over items (one small all-reduce per step)."""
         self.reducer.count_items(num_items)
 
     def check_replicas(self) -> None:
@@ -302,42 +316,41 @@ class DistributedDataParallel(nn.Module):
         are rank 0's at every forward and legitimately differ in between).
         """
         self._parameters_ready()
-        named: list[tuple[str, torch.Tensor]] = list(self.module.named_parameters())
+        named: list[tuple[str, torch.Tensor]] = list(self._named_parameters())
         if not self.broadcast_buffers:
-            named += list(self.module.named_buffers())
+            named += self._named_buffers()
         check_replicas(named, self._deadline)
 
-    @contextmanager
-    def join(self, optimizer: torch.optim.Optimizer) -> Iterator[None]:
-        """Train on uneven data: ranks that finish their batches early wait here for the rest.
+    def join(  # type: ignore[override]  # torch's arguments, and gradsync's optimizer first
+        self, optimizer: torch.optim.Optimizer | None = None, *,
+        divide_by_initial_world_size: bool = True, enable: bool = True,
+        throw_on_early_termination: bool = False,
+    ) -> AbstractContextManager[Any]:  # fmt: skip
+        """Train on uneven data: ``with model.join(optimizer):`` is gradsync's exact form,
+        ``with model.join():`` torch DDP's (see ``JoinProtocol.join`` in ``join.py``)."""
+        return self._join.join(
+            optimizer, divide_by_initial_world_size, enable, throw_on_early_termination
+        )
 
-        While waiting, a rank takes part in every reduction of the others with zero weight and
-        applies the reduced gradients with ``optimizer``, so its parameters and optimizer state
-        stay in step; means are over the ranks that still had data, so training equals one
-        process trained on exactly the batches that existed. At the end every rank takes the
-        parameters and buffers of a rank that was active last. Step logic beyond
-        ``optimizer.step()`` (gradient clipping, LR schedulers) does not run on waiting ranks:
-        ``check_replicas()`` after the loop tells whether that mattered.
-        """
-        protocol = self._join_protocol
-        protocol.rounds_active = 0
-        self._joining = True
-        try:
-            yield
-        except BaseException:
-            self._joining = False  # on an error, leave without waiting for the others
-            raise
-        try:
-            protocol.serve_until_done(self.reducer, optimizer, self._broadcast_buffers)
-            self._parameters_ready()
-            src = protocol.authoritative_rank()
-            self._deadline.broadcast(
-                [p.data for p in self.module.parameters()] + self._buffers_to_sync,
-                src,
-                f"the final broadcast of rank {src}'s state at the end of join()",
-            )
-        finally:
-            self._joining = False
+    def _take_final_state(self) -> None:
+        """The end of a join: every rank takes the state of a rank that was active last."""
+        self._parameters_ready()
+        src = self._join.authoritative_rank()
+        what = f"the final broadcast of rank {src}'s state at the end of join()"
+        params = [p.data for _, p in self._named_parameters()]
+        self._deadline.broadcast(params + self._buffers_to_sync, src, what)
+
+    # torch's Joinable interface, for torch.distributed.algorithms.join.Join (see join.py)
+    def join_hook(self, **kwargs: Any) -> JoinHook:
+        return self._join.torch_hook(kwargs.get("divide_by_initial_world_size", True))
+
+    @property
+    def join_device(self) -> torch.device:
+        return self.device
+
+    @property
+    def join_process_group(self) -> Any:
+        return self.process_group
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -358,15 +371,17 @@ class DistributedDataParallel(nn.Module):
     def shard_optimizer(
         self, optimizer_class: type[torch.optim.Optimizer], **defaults: Any
     ) -> ShardedOptimizer:
-        """ZeRO-1: an ``optimizer_class(**defaults)`` whose state is sharded over the ranks,
-        fed by reduce-scattered buckets, its parameters all-gathered during the next forward
-        (see [Note: sharded steps in the wrapper] in ``gradsync/ddp/sharding.py``). The same
-        bytes on the wire as plain data parallelism; ``.grad`` stays ``None``: clip with
-        ``opt.clip_grad_norm_``. Call it on every rank, once, before the first forward."""
+        """ZeRO-1: an ``optimizer_class(**defaults)`` whose state is sharded over the ranks, in
+        the shape of torch's DDP with ``ZeroRedundancyOptimizer``: backward leaves the reduced
+        gradient in ``.grad`` (torch's ``clip_grad_norm_`` and ``zero_grad()`` work as without
+        sharding), and ``opt.step()`` steps this rank's slices, all-gathers them and returns
+        with the parameters in place on every rank, after checking that every rank steps with
+        the same hyper-parameters (see [Note: sharded steps in the wrapper] in
+        ``gradsync/ddp/sharding.py``). Call it on every rank, once, before the first forward."""
         if self.main_grad_dtype is not None:
             raise UsageError("shard_optimizer() does not support main_grad_dtype yet")
         reducer = self.reducer
-        if self._forward_ran or reducer.sharding is not None:
+        if self._forward_ran or self._sharded is not None:
             raise ProtocolError("shard_optimizer() must be called once, before the first forward")
         unsupported = {
             "algorithm": self.algorithm.name != "native",
@@ -379,19 +394,20 @@ class DistributedDataParallel(nn.Module):
         if any(unsupported.values()):
             bad = ", ".join(k for k, v in unsupported.items() if v)
             raise UsageError(f"shard_optimizer() does not support {bad} yet")
-        shards = sharding.shard(
-            reducer.specs, reducer.params, reducer.watch.changes(), self._deadline, self.module,
-            optimizer_class, defaults,
+        steps = sharding.shard(
+            reducer.specs, list(zip(reducer.names, reducer.params, strict=True)),
+            reducer.watch.changes(), self._deadline, optimizer_class, defaults,
         )  # fmt: skip
-        reducer.watch.count_with(shards.updates)  # each rank steps a different number of slices
-        new = self._replace_reducer(reducer.specs, comm_hook=shards.hook, sharding=shards)
-        shards.hook.bind(new.buckets, shards.optimizer)
-        return shards.optimizer
+        reducer.watch.count_with(steps.updates)  # each rank steps a different number of slices
+        self._sharded = steps
+        return steps.optimizer
 
     def _parameters_ready(self) -> None:
-        """Wait for a sharded optimizer's parameter all-gathers (a no-op otherwise)."""
-        if self.reducer.sharding is not None:
-            self.reducer.sharding.wait_all()
+        """Wait for parameter all-gathers a sharded optimizer's step left in flight: only one
+        that raised does (``opt.step()`` returns with the parameters in place); a no-op
+        otherwise."""
+        if self._sharded is not None:
+            self._sharded.wait_all()
 
     def register_comm_hook(self, state: object, hook: Callable[..., Any]) -> None:
         """Run torch's DDP communication hook ``hook(state, bucket) -> Future[Tensor]`` (e.g.
@@ -402,7 +418,7 @@ class DistributedDataParallel(nn.Module):
         facts = torch_hooks.WrapperFacts(
             describe_compression(self.compression), self.algorithm.name,
             registered=self._torch_hook is not None, forward_ran=self._forward_ran,
-            sharded=self.reducer.sharding is not None, auto=self._autotune is not None,
+            sharded=self._sharded is not None, auto=self._autotune is not None,
         )  # fmt: skip
         numels = [b.grads.numel() for b in self.reducer.buckets]
         adapter = torch_hooks.register(state, hook, self._deadline, numels, facts)
@@ -445,22 +461,20 @@ class DistributedDataParallel(nn.Module):
         ``join()``: gradients accumulated under ``no_sync()`` are not part of any checkpoint,
         so a checkpoint taken there could not continue the step.
         """
-        refuse_mid_step(self.reducer.window_open, self._joining)
-        state: dict[str, Any] = {
-            "num_reductions": self.reducer.num_reductions,
+        refuse_mid_step(self.reducer.window_open, self._join.joining)
+        reducer, comm = self.reducer, self.reducer.comm_hook.state_dict()
+        state = {
+            "num_reductions": reducer.num_reductions,
             "replicas_checked_at": self._replicas_checked_at,
         }
-        comm = self.reducer.comm_hook.state_dict()
-        if comm:
-            state["comm"] = comm
-        return state
+        return {**state, "comm": comm} if comm else state
 
     def load_sync_state_dict(self, state: Mapping[str, Any]) -> None:
         """Continue the step counter from a checkpoint (see :meth:`sync_state_dict`).
 
         A collective (one small all-gather), so that a state one rank cannot load is refused on
         every rank before any rank has changed anything."""
-        refuse_mid_step(self.reducer.window_open, self._joining)
+        refuse_mid_step(self.reducer.window_open, self._join.joining)
         hook = self.reducer.comm_hook
         problem = comm_state_problem(hook, describe_compression(self.compression), state)
         every = self._deadline.gather_objects(problem, "the check of the loaded sync state")
@@ -471,3 +485,9 @@ class DistributedDataParallel(nn.Module):
         self._replicas_checked_at = int(state["replicas_checked_at"])
         if "comm" in state:
             hook.load_state_dict(state["comm"])
+
+
+def _to_device(tree: Any, device: torch.device) -> Any:
+    """``tree`` with every tensor moved to ``device`` (torch DDP's ``_to_kwargs``, for one
+    device)."""
+    return tree_map(lambda t: t.to(device, non_blocking=True) if torch.is_tensor(t) else t, tree)

@@ -3,6 +3,8 @@
 layout.py    where each rank's slice of every flat bucket lies (pure planning)
 buffers.py   the flat parameter buffer of a bucket; which optimizer classes are elementwise
 sharded.py   ShardedOptimizer: the torch.optim.Optimizer users build
+groups.py    the param groups and explicit buckets it is built from
+agree.py     the check, before a step, that every rank steps alike
 clip.py      clipping by the global norm of gradients spread over ranks
 state.py     sharded (DCP, reshards) and full (consolidated) state dicts
 master.py    MasterWeights: fp32 weights stepped on fp32 main gradients of a bf16 model

@@ -35,7 +35,21 @@ unclipped. So after each reduction the wrapper records the in-place version of e
 refuses a ``.grad`` whose version moved since, naming the fix: ``opt.clip_grad_norm_``, which
 clips ``main_grad`` (and ``.grad`` alike). torch's ``clip_grad_norm_`` scales every gradient
 even when the norm is below the limit, so the refusal comes at the first step, not at the
-first spike.
+first spike. Clearing ``.grad`` keeps torch's meaning: ``opt.zero_grad()`` or
+``model.zero_grad()`` after the backward leaves ``.grad`` ``None``, and a parameter without a
+``.grad`` is not stepped, whatever its ``main_grad`` holds; ``opt.zero_grad(set_to_none=False)``
+zeroes ``main_grad`` with ``.grad``, so the step sees the zero gradient torch's would (a
+``model.zero_grad(set_to_none=False)``, which zeroes ``.grad`` alone, is refused like a clip).
+
+[Note: MasterWeights compares settings across ranks]
+Each rank steps its own replica of the masters, so a learning rate set differently on one rank
+makes the replicas drift apart, seen only by ``check_replicas()``. When the parameters belong
+to a gradsync ``DistributedDataParallel``, the first :meth:`MasterWeights.step` compares every
+param group's settings, and which parameters have a ``.grad``, over the wrapper's ranks (one
+small all-reduce under its deadline; see [Note: optimizer settings agree across ranks] in
+``agree.py``) and raises ``UsageError`` on every rank, naming the setting and the ranks, before
+anything is stepped. Only the first step: a later change on one rank (an LR scheduler stepped
+on some ranks) shows in the replicas, as it does with torch's optimizers under torch's DDP.
 """
 
 from __future__ import annotations
@@ -46,7 +60,7 @@ from typing import Any
 import torch
 
 from gradsync.errors import CheckpointError, UsageError
-from gradsync.optim import clip
+from gradsync.optim import agree, clip
 
 ParamsT = Iterable[torch.Tensor] | Iterable[dict[str, Any]]
 
@@ -103,8 +117,10 @@ class MasterWeights:
             # Two masters of one parameter would each be rounded into it, the last one winning.
             raise UsageError("MasterWeights: a parameter is listed more than once")
         self.optimizer = optimizer_class(groups, **defaults)
+        self._index = {id(m): i for i, m in enumerate(self.master)}
         self._versions = self._current_versions()
         self._values_checked = False  # see [Note: parameters written outside the optimizer]
+        self._settings_checked = False  # see [Note: MasterWeights compares settings across ranks]
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
@@ -116,6 +132,9 @@ class MasterWeights:
         The closure (forward and backward, as for a torch optimizer) is passed on to the inner
         optimizer, which may call it more than once (LBFGS): each call sees the model holding
         the current masters, and the masters get the gradients it computed."""
+        if not self._settings_checked:
+            self._settings_checked = True
+            self._compare_settings()
         self._adopt_outside_writes()
         if closure is None:
             self._take_grads()
@@ -144,10 +163,11 @@ class MasterWeights:
                 raise UsageError(
                     f"MasterWeights: the .grad of parameter #{index} (shape "
                     f"{tuple(p.shape)}) was changed after the backward, e.g. by "
-                    "torch.nn.utils.clip_grad_norm_(model.parameters(), ...); this optimizer "
-                    "steps on p.main_grad, so that change would be ignored. Clip with "
-                    "opt.clip_grad_norm_(max_norm), which clips main_grad, or change "
-                    "p.main_grad itself"
+                    "torch.nn.utils.clip_grad_norm_(model.parameters(), ...) or "
+                    "model.zero_grad(set_to_none=False); this optimizer steps on p.main_grad, "
+                    "so that change would be ignored. Clip with opt.clip_grad_norm_(max_norm), "
+                    "which clips main_grad, clear with opt.zero_grad(), or change p.main_grad "
+                    "itself"
                 )  # [Note: clipping main gradients]
             m.grad = _gradient(p).to(m.dtype)
 
@@ -194,14 +214,33 @@ class MasterWeights:
         self._versions = self._current_versions()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """The model's ``.grad`` set to ``None`` or zeroed, as a torch optimizer does. The
+        """The model's ``.grad`` set to ``None`` or zeroed, as a torch optimizer does; zeroed,
+        ``main_grad`` too, which is what the step reads ([Note: clipping main gradients]). The
         masters' ``.grad`` is always dropped: :meth:`step` points it at ``main_grad`` anew."""
         for p, m in zip(self.params, self.master, strict=True):
             if set_to_none or p.grad is None:
                 p.grad = None
             else:
                 p.grad.detach_().zero_()
+                main = getattr(p, "main_grad", None)
+                if main is not None:
+                    main.zero_()
             m.grad = None
+        stamp_grads(self.params)
+
+    def _compare_settings(self) -> None:
+        """[Note: MasterWeights compares settings across ranks]: over the ranks of the wrapper
+        that holds these parameters, if one does."""
+        peers = agree.peers_of(self.params)
+        if peers is None:
+            return
+        # The model's parameters stand in for the masters: a message names them.
+        groups = [
+            {**g, "params": [self.params[self._index[id(m)]] for m in g["params"]]}
+            for g in self.optimizer.param_groups
+        ]
+        name = type(self.optimizer).__name__
+        agree.check_step("MasterWeights.step()", name, groups, None, peers, hidden=False)
 
     def state_dict(self) -> dict[str, Any]:
         return {

@@ -13,11 +13,17 @@ Usage, after any gradient synchronisation::
     opt.clip_grad_norm_(1.0)      # optional: the global norm, from each rank's slice
     opt.step(); opt.zero_grad()
 
-The pieces a data-parallel wrapper needs to reduce-scatter gradients itself and overlap the
-parameter all-gather with the next forward: :attr:`ShardedOptimizer.buckets` (the layout of
-every flat buffer), :meth:`~ShardedOptimizer.step_from_shards` (step from reduced gradient
-slices instead of ``.grad``) and :meth:`~ShardedOptimizer.all_gather_params` with
-``async_op=True`` (one handle per bucket, waited for bucket by bucket).
+``step()`` returns with the updated parameters in place on every rank (each bucket's all-gather
+is started as soon as its slices are stepped, so it overlaps the step of the next bucket), and
+it first checks that every rank is about to step alike: the same hyper-parameters, the same
+parameters holding a ``.grad`` (see [Note: optimizer settings agree across ranks] in
+``agree.py``); a difference raises ``UsageError`` on every rank, before anything is stepped.
+
+The pieces a data-parallel wrapper needs to reduce-scatter gradients itself:
+:attr:`ShardedOptimizer.buckets` (the layout of every flat buffer),
+:meth:`~ShardedOptimizer.step_from_shards` (step from reduced gradient slices instead of
+``.grad``) and :meth:`~ShardedOptimizer.all_gather_params` with ``async_op=True`` (one handle
+per bucket, waited for bucket by bucket).
 """
 
 from __future__ import annotations
@@ -28,34 +34,16 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-from gradsync.errors import UsageError
-from gradsync.optim import clip, state
+from gradsync.errors import GradsyncError, UsageError
+from gradsync.optim import agree, clip, state
 from gradsync.optim.buffers import FlatBucket, check_optimizer_class
+from gradsync.optim.groups import as_param_groups, explicit_buckets, first_difference
 from gradsync.optim.layout import DEFAULT_ALIGN, group_by_dtype, plan_shards
-
-
-def _param_groups(params: Any) -> list[dict[str, Any]]:
-    """``params`` as a list of param groups (torch's forms: tensors, or dicts)."""
-    if isinstance(params, torch.Tensor):
-        raise UsageError("params must be an iterable of tensors or of param-group dicts")
-    groups = list(params)
-    if groups and not isinstance(groups[0], dict):
-        groups = [{"params": groups}]
-    out = []
-    for g in groups:
-        g = dict(g)
-        ps = g["params"]
-        ps = [ps] if isinstance(ps, torch.Tensor) else list(ps)
-        g["params"] = ps
-        out.append(g)
-    if not any(p.requires_grad for g in out for p in g["params"]):
-        raise UsageError("ShardedOptimizer got no parameter that requires grad")
-    return out
 
 
 class AttachedShards(Protocol):
     """What steps and clips an optimizer that a data-parallel wrapper built (see
-    :meth:`ShardedOptimizer.attach`)."""
+    :meth:`ShardedOptimizer.attach`): the same step, under the wrapper's deadline."""
 
     def step(self) -> None: ...
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor: ...
@@ -75,7 +63,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
     ``optimizer_class`` must be elementwise: SGD (with momentum), Adam, AdamW, Adamax, NAdam,
     RAdam, Adagrad, Adadelta, RMSprop, Rprop and ASGD are; LBFGS, SparseAdam, Adafactor and Muon
     are refused. A custom optimizer cannot be checked: it must update each element from that
-    element's gradient and state alone, else results silently differ from unsharded training.
+    element's gradient and state alone, else results silently differ from unsharded training;
+    and, as ``step()`` steps one bucket at a time, keep nothing shared across its parameters that
+    a call of its ``step()`` advances (a global step count).
 
     ``buckets``: an explicit layout, a list of buckets each an ordered list of the parameters
     (each trainable parameter exactly once, one dtype and device per bucket); default: one
@@ -107,10 +97,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._placeholder_state = False  # see _init_state_for_load
         self._steps = 0  # inner steps taken (the same on every rank)
         self._consolidated: dict[str, Any] | None = None
-        # Set when DistributedDataParallel.shard_optimizer built this optimizer: gradients come
-        # as reduce-scattered shards, parameters are gathered before the next forward.
+        # Set when DistributedDataParallel.shard_optimizer built this optimizer: the step runs
+        # under the wrapper's deadline, on its process group.
         self._attached: AttachedShards | None = None
-        super().__init__(_param_groups(params), defaults)
+        super().__init__(as_param_groups(params), defaults)
         self.optim: torch.optim.Optimizer = optimizer_class([{"params": []}], **defaults)
         self.optim.param_groups.clear()
         self.defaults = dict(self.optim.defaults)
@@ -124,7 +114,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if not self._built:  # torch.optim.Optimizer.__init__ adds the constructor's groups
             super().add_param_group(param_group)
             return
-        (group,) = _param_groups([param_group])
+        (group,) = as_param_groups([param_group])
         super().add_param_group(group)
         self._add_groups(self.param_groups[-1:], None)
 
@@ -134,7 +124,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """Plan the buckets of ``groups``' parameters, check every rank agrees, and give the
         inner optimizer one group of this rank's slices per group."""
         if buckets is not None:
-            members = self._explicit_buckets(buckets)
+            members = explicit_buckets(self.param_groups, buckets)
         else:
             members = [
                 [trainable[i] for i in b]
@@ -160,30 +150,6 @@ class ShardedOptimizer(torch.optim.Optimizer):
             for k, v in self.optim.param_groups[-1].items():
                 g.setdefault(k, v)  # the inner optimizer's defaults, visible to schedulers
 
-    def _explicit_buckets(self, buckets: Sequence[Sequence[torch.Tensor]]) -> list[list[Any]]:
-        trainable = {id(p): p for g in self.param_groups for p in g["params"] if p.requires_grad}
-        seen: set[int] = set()
-        members = []
-        for bi, bucket in enumerate(buckets):
-            ps = list(bucket)
-            for p in ps:
-                if id(p) not in trainable:
-                    raise UsageError(
-                        f"bucket {bi} holds a parameter of shape {list(p.shape)} that is not a "
-                        f"trainable parameter of this optimizer"
-                    )
-                if id(p) in seen:
-                    raise UsageError(f"a parameter of shape {list(p.shape)} is in two buckets")
-                seen.add(id(p))
-            if len({(p.dtype, p.device) for p in ps}) > 1:
-                raise UsageError(f"bucket {bi} mixes dtypes or devices; a flat buffer holds one")
-            if ps:
-                members.append(ps)
-        missing = [list(p.shape) for i, p in trainable.items() if i not in seen]
-        if missing:
-            raise UsageError(f"buckets leave out trainable parameters of shapes {missing}")
-        return members
-
     def _check_same_everywhere(self, members: list[list[Any]]) -> None:
         """One object gather: every rank must lay out the same parameters the same way."""
         if self.world_size == 1:
@@ -204,7 +170,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             if theirs[2] != everyone[0][2]:
                 raise UsageError(
                     f"ShardedOptimizer got different parameters on different ranks: "
-                    f"{_first_difference(everyone[0][2], theirs[2], r)}"
+                    f"{first_difference(everyone[0][2], theirs[2], r)}"
                 )
 
     def _sync_hyperparameters(self) -> None:
@@ -214,15 +180,17 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     # -- stepping ------------------------------------------------------------------------------
     def attach(self, shards: AttachedShards) -> None:
-        """Let ``shards`` step and clip this optimizer: its gradients are the reduce-scattered
-        shards of a wrapper's buckets, not ``.grad`` (``DistributedDataParallel.shard_optimizer``
-        calls this; see [Note: sharded steps in the wrapper] in ``gradsync/ddp/sharding.py``)."""
+        """Let ``shards`` step and clip this optimizer, on a wrapper's process group and under
+        its deadline (``DistributedDataParallel.shard_optimizer`` calls this; see [Note:
+        sharded steps in the wrapper] in ``gradsync/ddp/sharding.py``)."""
         self._attached = shards
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
         """Step this rank's slices from the parameters' ``.grad`` (already synchronised across
-        ranks), then all-gather, so every rank holds the same updated parameters."""
+        ranks) and all-gather them: every rank returns holding the same updated parameters. A
+        parameter whose ``.grad`` is ``None`` is not stepped, as by a torch optimizer. First
+        every rank checks that all are about to step alike (see the module docstring)."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -230,13 +198,55 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if self._attached is not None:  # see [Note: sharded steps in the wrapper]
             self._attached.step()
             return loss
-        self._check_frozen_have_no_grad()
-        for b in self.buckets:
-            b.check_params("ShardedOptimizer.step")
-            b.attach_param_grads()
-        self._step_inner()
-        self.all_gather_params()
+        self.check_step(self._dist_peers())
+        for work in self.step_and_gather(self._start_gather):
+            if work is not None:
+                work.wait()
         return loss
+
+    def check_step(self, peers: agree.Peers | None, *, grads: bool = True) -> None:
+        """Raise on every rank (one small all-reduce over ``peers``) unless every rank is about
+        to step with the same hyper-parameters and (``grads``) the same parameters holding a
+        ``.grad``, and no rank's own checks refuse: see [Note: optimizer settings agree across
+        ranks] in ``agree.py``."""
+        refused = None
+        try:
+            if grads:
+                self._check_frozen_have_no_grad()
+            for b in self.buckets:
+                b.check_params("ShardedOptimizer.step")
+        except GradsyncError as exc:
+            refused = exc
+        alone = self.world_size == 1
+        name = self.optimizer_class.__name__
+        where = "ShardedOptimizer.step()"
+        agree.check_step(
+            where, name, self.param_groups, refused, None if alone else peers, grads=grads
+        )
+
+    def step_and_gather(self, start_gather: Callable[[FlatBucket], Any]) -> list[Any]:
+        """Step each bucket's slices from the parameters' ``.grad`` and, as soon as they are
+        stepped, ``start_gather(bucket)`` (its all-gather, asynchronous), so that the gather of
+        one bucket overlaps the step of the next. Returns the handles, one per bucket (``None``:
+        nothing to wait for); wait for all before anything reads the parameters."""
+        self._begin_inner_step()
+        handles = []
+        for b in self.buckets:
+            b.attach_param_grads()
+            try:
+                self.optim.step()  # steps the slices that have a gradient: this bucket's
+            finally:
+                b.detach_grads()
+            handles.append(start_gather(b))
+        return handles
+
+    def _start_gather(self, b: FlatBucket) -> dist.Work | None:
+        if self.world_size == 1:
+            return None
+        return dist.all_gather_into_tensor(b.data, b.shard, group=self.process_group, async_op=True)
+
+    def _dist_peers(self) -> agree.Peers:
+        return agree.dist_peers(self.process_group, self.buckets[0].data.device)
 
     def _check_frozen_have_no_grad(self) -> None:
         """A parameter frozen at construction is in no bucket: if it has a gradient now
@@ -259,29 +269,30 @@ class ShardedOptimizer(torch.optim.Optimizer):
         flat gradient (the output of a ``reduce_scatter`` of the padded flat gradients, already
         divided by the world size for a mean; padding must be zero for clipping). ``.grad`` is
         not read. Parameters in ``skip`` (no gradient on any rank) are left as they are.
-        Parameters are stale until :meth:`all_gather_params` has run."""
+        Parameters are stale until :meth:`all_gather_params` has run. Like :meth:`step`, it
+        first checks that every rank steps with the same hyper-parameters (a collective)."""
         if len(grad_shards) != len(self.buckets):
             raise UsageError(
                 f"step_from_shards needs one gradient shard per bucket ({len(self.buckets)}), "
                 f"got {len(grad_shards)}"
             )
+        self.check_step(self._dist_peers(), grads=False)
         skipped = {id(p) for p in skip}
         for b, g in zip(self.buckets, grad_shards, strict=True):
-            b.check_params("ShardedOptimizer.step_from_shards")
             b.attach_shard_grads(g, skipped)
-        self._step_inner()
-
-    def _step_inner(self) -> None:
-        if self._placeholder_state:  # state made only to receive a checkpoint that never came
-            self.optim.state.clear()
-            self._placeholder_state = False
-        self._sync_hyperparameters()
-        self._steps += 1
+        self._begin_inner_step()
         try:
             self.optim.step()
         finally:
             for b in self.buckets:
                 b.detach_grads()
+
+    def _begin_inner_step(self) -> None:
+        if self._placeholder_state:  # state made only to receive a checkpoint that never came
+            self.optim.state.clear()
+            self._placeholder_state = False
+        self._sync_hyperparameters()
+        self._steps += 1
 
     def all_gather_params(self, *, async_op: bool = False) -> list[dist.Work | None]:
         """All-gather every bucket's updated slices into its flat buffer, i.e. the parameters.
@@ -314,7 +325,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """Clip the parameters' ``.grad`` by their global norm, like
         ``torch.nn.utils.clip_grad_norm_`` on every parameter, computed from this rank's slices
         only (each element counted once over the group) plus one scalar all-reduce."""
-        if self._attached is not None:  # the shards are the gradient: see attach()
+        if self._attached is not None:  # the wrapper's .grad is replicated: see attach()
             return self._attached.clip_grad_norm_(max_norm, norm_type)
         grads = []
         for b in self.buckets:
@@ -378,13 +389,3 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def steps(self) -> int:
         """Inner optimizer steps taken (the same on every rank)."""
         return self._steps
-
-
-def _first_difference(ref: list[Any], other: list[Any], rank: int) -> str:
-    for bi, (a, b) in enumerate(zip(ref, other, strict=False)):
-        for pi, (x, y) in enumerate(zip(a, b, strict=False)):
-            if x != y:
-                return f"parameter {pi} of bucket {bi} is {x} on rank 0 and {y} on rank {rank}"
-        if len(a) != len(b):
-            return f"bucket {bi} holds {len(a)} parameters on rank 0, {len(b)} on rank {rank}"
-    return f"rank 0 has {len(ref)} buckets, rank {rank} has {len(other)}"

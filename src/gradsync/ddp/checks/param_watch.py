@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable
+from collections.abc import Set as AbstractSet
 
 from torch import nn
 from torch.nn.modules import module as torch_module
@@ -43,11 +44,12 @@ torch_module.register_module_module_registration_hook(_bump)
 
 
 class ParameterWatch:
-    """The parameter set of ``module`` as it was at wrapping time, and how it has changed."""
+    """The parameter set of ``module`` as it was at wrapping time, and how it has changed
+    (parameters named in ``ignore`` are not data-parallel: torch DDP's ignore list)."""
 
-    def __init__(self, module: nn.Module) -> None:
-        self.module = module
-        self.named = list(module.named_parameters())
+    def __init__(self, module: nn.Module, ignore: AbstractSet[str] = frozenset()) -> None:
+        self.module, self.ignore = module, ignore
+        self.named = self._current()
         self.trainable = [p.requires_grad for _, p in self.named]
         self._generation = _generation
         self._wrapped_ids = [id(p) for _, p in self.named]
@@ -66,13 +68,13 @@ class ParameterWatch:
         ]
         if _generation != self._generation:
             self._generation = _generation
-            self._walked_ids = [id(p) for _, p in self.module.named_parameters()]
+            self._walked_ids = [id(p) for _, p in self._current()]
         if self._walked_ids != self._wrapped_ids:
             found += self._structural_changes()
         return found
 
     def _structural_changes(self) -> list[str]:
-        now = dict(self.module.named_parameters())
+        now = dict(self._current())
         before = {name: p for name, p in self.named}
         out = []
         for name, p in now.items():
@@ -82,6 +84,9 @@ class ParameterWatch:
                 out.append(f"'{name}' was replaced by a new parameter")
         out += [f"'{name}' was removed" for name in before if name not in now]
         return out
+
+    def _current(self) -> list[tuple[str, nn.Parameter]]:
+        return [(n, p) for n, p in self.module.named_parameters() if n not in self.ignore]
 
     @property
     def names(self) -> list[str]:
