@@ -21,6 +21,7 @@ DDP compiled in the same order.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import types
@@ -89,14 +90,13 @@ def _compile(variant: str, cfg: Any, args: argparse.Namespace) -> tuple[Any, Any
 
 
 def worker(args: argparse.Namespace) -> None:
+    import torch._dynamo
     import torch.distributed as dist
 
     from gradsync.testing.gpt import GPTConfig
 
     dist.init_process_group("gloo", timeout=timedelta(seconds=600))
     if args.no_ddp_optimizer:  # one graph: every gradient appears at the end of the backward
-        import torch._dynamo
-
         torch._dynamo.config.optimize_ddp = False
     rank, world = dist.get_rank(), dist.get_world_size()
     cfg = GPTConfig(
@@ -122,6 +122,15 @@ def worker(args: argparse.Namespace) -> None:
         row["median_s"] = {v: statistics.median(t) for v, t in times.items()}
         row["n"] = len(times[VARIANTS[0]])
         print("COMPILE_JSON " + json.dumps(row), flush=True)
+    # Drop the wrappers while the group is still registered. Otherwise torch DDP's C++ reducer,
+    # freed when this frame ends, may hold the group's last reference: its destructor then joins
+    # gloo's threads with the GIL held while one of them needs the GIL to free a finished
+    # all-reduce's tensors (a deadlock seen here about one run in three).
+    built.clear()
+    del model, opt
+    torch._dynamo.reset()  # its caches may refer to the wrappers too
+    gc.collect()
+    dist.barrier()
     dist.destroy_process_group()
 
 

@@ -149,10 +149,12 @@ def test_static_graph_allows_a_parameter_unused_in_a_step(one_rank) -> None:  # 
             return self.a(x)  # b is never used
 
     x = torch.ones(2, 3)
+    ddp = gradsync.DistributedDataParallel(TwoHeads())
     with pytest.raises(gradsync.UnusedParametersError):
-        gradsync.DistributedDataParallel(TwoHeads())(x).sum().backward()
+        ddp(x).sum().backward()
     model = TwoHeads()
-    gradsync.DistributedDataParallel(model, static_graph=True)(x).sum().backward()
+    ddp = gradsync.DistributedDataParallel(model, static_graph=True)
+    ddp(x).sum().backward()
     assert model.a.weight.grad is not None and model.b.weight.grad is None
 
 

@@ -8,6 +8,7 @@ Construction makes replicas equal (model check, rank 0 broadcast) and plans the 
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from datetime import timedelta
@@ -160,8 +161,14 @@ class DistributedDataParallel(TorchSurface, TorchDDP):  # type: ignore[override]
         self._autotune = AutoBuckets(first_bucket_cap_mb) if self.options.auto else None
         self._make_replicas_equal(self.options.settings(axis_names(device_mesh)))
         self.reducer = self._first_reducer()
-        rounds = JoinRounds(lambda: self.reducer, self._broadcast_buffers, self._take_final_state)
-        self._join = JoinProtocol(self._deadline, self, rounds)
+        self._join = self._new_join_protocol()
+
+    def _new_join_protocol(self) -> JoinProtocol:
+        me = weakref.proxy(self)  # no cycle: a dropped wrapper is freed at once, not by the gc
+        rounds = JoinRounds(
+            lambda: me.reducer, lambda: me._broadcast_buffers(), lambda: me._take_final_state()
+        )
+        return JoinProtocol(self._deadline, me, rounds)  # type: ignore[arg-type]
 
     # -- the settings, as torch DDP exposes them (read-only: they must agree across ranks) ----
     reduction, broadcast_buffers, compression, timeout = Setting(), Setting(), Setting(), Setting()
