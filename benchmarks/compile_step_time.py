@@ -61,26 +61,16 @@ def _compile(variant: str, cfg: Any, args: argparse.Namespace) -> tuple[Any, Any
     """Build ``variant`` and run its first steps (the compilation); what dynamo counted, from
     a reset dynamo (the variants compiled before recompile on their next step)."""
     import torch._dynamo as dynamo
-    from torch._dynamo.backends import distributed as dynamo_ddp
     from torch._dynamo.utils import counters
 
-    pieces: list[int] = []
-    compile_fn = dynamo_ddp.DDPOptimizer.compile_fn
-
-    def counting(self, gm, example_inputs, **kwargs):  # type: ignore[no-untyped-def]
-        compiled = compile_fn(self, gm, example_inputs, **kwargs)
-        pieces.append(len(self.buckets))
-        return compiled
+    from gradsync.testing.dynamo import ddp_optimizer_pieces
 
     dynamo.reset()
     counters.clear()
-    dynamo_ddp.DDPOptimizer.compile_fn = counting  # type: ignore[method-assign]
-    try:
+    with ddp_optimizer_pieces() as pieces:
         model, opt = _build(variant, cfg, args.backend, args.bucket_cap_mb)
         shape = (args.batch, cfg.block_size)
         launch.slowest_step_times(model, opt, shape, cfg.vocab_size, args.warmup, 0, seed=0)
-    finally:
-        dynamo_ddp.DDPOptimizer.compile_fn = compile_fn  # type: ignore[method-assign]
     counted = {
         "breaks": sum(counters["graph_break"].values()),
         "graphs": counters["stats"]["unique_graphs"],

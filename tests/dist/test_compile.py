@@ -17,12 +17,12 @@ import torch
 import torch._dynamo as dynamo
 import torch.nn.functional as F
 from torch import nn
-from torch._dynamo.backends import distributed as dynamo_ddp
 from torch._dynamo.utils import counters
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import gradsync
+from gradsync.testing.dynamo import ddp_optimizer_pieces
 from gradsync.testing.spawn import spawn
 
 WORLD, STEPS, ACCUM, BATCH = 2, 3, 2, 4  # BATCH: samples per rank and micro-batch
@@ -136,20 +136,12 @@ def _train(rank: int, which: str, order: str) -> dict:
 
 
 def _all_cases(rank: int, world: int) -> dict:
-    splits: list[int] = []
-    compile_fn = dynamo_ddp.DDPOptimizer.compile_fn
-
-    def recording(self, gm, example_inputs, **kwargs):  # type: ignore[no-untyped-def]
-        compiled = compile_fn(self, gm, example_inputs, **kwargs)
-        splits.append(len(self.buckets))
-        return compiled
-
-    dynamo_ddp.DDPOptimizer.compile_fn = recording  # type: ignore[method-assign]
     out = {}
-    for which, order in CASES:
-        del splits[:]
-        out[which, order] = _train(rank, which, order)
-        out[which, order]["splits"] = list(splits)
+    with ddp_optimizer_pieces() as splits:
+        for which, order in CASES:
+            del splits[:]
+            out[which, order] = _train(rank, which, order)
+            out[which, order]["splits"] = list(splits)
     return out
 
 

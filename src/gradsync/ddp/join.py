@@ -14,12 +14,12 @@ handshake: the waiting rank reaches its deadline and raises, naming what it wait
 of mixing unrelated tensors.
 
 torch's own ``Join`` context manager (``torch.distributed.algorithms.join``) drives the same
-protocol through :class:`TorchJoinHook`: torch counts the ranks still active with its own
-all-reduce and calls the hook's ``main_hook`` once per round on each rank that has joined, which
-answers one handshake (:meth:`JoinProtocol.serve_round`). The differences from ``model.join(opt)``
-are torch's: no optimizer steps on a joined rank (its parameters are replaced at the end, its
-optimizer state is left behind), and gradients are divided by the whole world size unless
-``divide_by_initial_world_size=False``.
+protocol through the hook of :meth:`JoinProtocol.torch_hook`: torch counts the ranks still
+active with its own all-reduce and calls the hook's ``main_hook`` once per round on each rank
+that has joined, which answers one handshake (:meth:`JoinProtocol.serve_round`). The
+differences from ``model.join(opt)`` are torch's: no optimizer steps on a joined rank (its
+parameters are replaced at the end, its optimizer state is left behind), and gradients are
+divided by the whole world size unless ``divide_by_initial_world_size=False``.
 """
 
 from __future__ import annotations
