@@ -3,7 +3,8 @@
 One spawn runs every case side by side with ``torch.nn.parallel.DistributedDataParallel`` on
 the same data: torch's ``Join`` with uneven inputs (both divisors), Accelerate's
 ``trigger_sync_in_backward`` (``reducer.prepare_for_backward`` after a ``no_sync`` forward),
-``init_sync=False``, and the buffer-sync arguments of torch 2.13.
+``init_sync=False``, the buffer-sync arguments of torch 2.13, and ``require_backward_grad_sync``
+changed while the module's forward runs (Lightning's manual optimization).
 """
 
 from __future__ import annotations
@@ -69,6 +70,71 @@ def _triggered_sync(rank: int, world: int, wrap) -> tuple[dict[str, torch.Tensor
     return _params(model), reductions
 
 
+class _StepInside(nn.Module):
+    """A module whose forward may run the backward itself, as Lightning's manual optimization
+    does (``manual_backward`` inside ``training_step``, inside the wrapper's forward), under
+    ``no_sync()`` on all but a step's last micro-batch, or only enter and leave ``no_sync()``."""
+
+    def __init__(self, net: nn.Module) -> None:
+        super().__init__()
+        self.net = net
+        self.ddp: nn.Module | None = None  # the wrapper, for its no_sync()
+        self.inside = ""  # "backward": backward inside the forward; "enter": no_sync only
+
+    def forward(self, batch: tuple[torch.Tensor, ...], scale: float, sync: bool) -> torch.Tensor:
+        assert self.ddp is not None
+        loss = toy.loss_fn(self.net, batch, "mean") * scale
+        with contextlib.nullcontext() if sync else self.ddp.no_sync():  # type: ignore[operator]
+            if self.inside == "backward":
+                loss.backward()
+        return loss
+
+
+def _flag_inside_forward(rank: int, world: int, inside: str) -> tuple[dict, int]:
+    """Steps of 3 micro-batches. ``inside="backward"``: each runs its backward inside the
+    forward, under no_sync() but the last (a plain loop on rank 1, the other idiom: the two
+    must agree). ``"enter"``: the forward enters and leaves no_sync() and every backward runs
+    after it: torch decides when the forward returns, so every micro-batch synchronises."""
+    model = _StepInside(toy.make_model("plain", seed=0))
+    ddp = gradsync.DistributedDataParallel(model)
+    model.ddp = ddp
+    model.inside = inside if rank == 0 or inside == "enter" else ""
+    opt = toy.make_optimizer("adamw", ddp.parameters())
+    for step in range(2):
+        for m in range(3):
+            batch = toy.shard(toy.global_batch(10 * step + m), rank, world)
+            last = m == 2
+            if model.inside == "backward":
+                ddp(batch, 1 / 3, last)
+            elif model.inside == "enter":
+                ddp(batch, 1 / 3, False).backward()
+            else:
+                with contextlib.nullcontext() if last else ddp.no_sync():
+                    ddp(batch, 1 / 3, True).backward()
+            if last or inside == "enter":
+                opt.step()
+                opt.zero_grad()
+    return _params(model.net), ddp.reducer.num_reductions
+
+
+def _outside_reference(rank: int, world: int, every: bool) -> dict:
+    """torch DDP on the plain loop: no_sync() on the first two of 3 micro-batches, or never
+    (``every``: a step per micro-batch)."""
+    model = toy.make_model("plain", seed=0)
+    ddp = TorchDDP(model)
+    opt = toy.make_optimizer("adamw", ddp.parameters())
+    for step in range(2):
+        for m in range(3):
+            sync = m == 2 or every
+            with contextlib.nullcontext() if sync else ddp.no_sync():
+                batch = toy.shard(toy.global_batch(10 * step + m), rank, world)
+                (toy.loss_fn(ddp, batch, "mean") / 3).backward()
+            if sync:
+                opt.step()
+                opt.zero_grad()
+    return _params(model)
+
+
 def _buffers(rank: int, world: int, wrap, **kwargs) -> list[float]:  # type: ignore[no-untyped-def]
     """Rank-specific BatchNorm statistics after construction and after one forward."""
     model = toy.make_model("bn", seed=0)
@@ -88,6 +154,9 @@ def _drop_in(rank: int, world: int) -> dict:
         out[("join", how, "torch")] = _uneven(rank, world, torchs, how)
     out["triggered", "gradsync"] = _triggered_sync(rank, world, ours)
     out["triggered", "torch"] = _triggered_sync(rank, world, torchs)
+    for inside in ("backward", "enter"):
+        out["inside", inside, "gradsync"] = _flag_inside_forward(rank, world, inside)
+        out["inside", inside, "torch"] = _outside_reference(rank, world, inside == "enter")
     for kwargs in ({}, {"broadcast_buffers": False}, {"forward_sync_buffers": False}):
         key = ("buffers", tuple(kwargs))
         with contextlib.suppress(FutureWarning):
@@ -114,6 +183,10 @@ def test_torch_ddp_programs_get_torchs_results() -> None:
         theirs_p, _ = out["triggered", "torch"]
         assert toy.max_diff(ours_p, theirs_p) < TOL
         assert ours_n > 0  # the triggered backward did reduce (nothing reduces without it)
+        for inside, reductions in (("backward", 2), ("enter", 6)):
+            params, n = out["inside", inside, "gradsync"]
+            assert n == reductions, (inside, n)  # one per step, or one per micro-batch
+            assert toy.max_diff(params, out["inside", inside, "torch"]) < TOL, inside
         for kwargs in ((), ("broadcast_buffers",), ("forward_sync_buffers",)):
             key = ("buffers", kwargs)
             assert out[key + ("gradsync",)] == out[key + ("torch",)], (

@@ -240,7 +240,10 @@ def _loader(distributed: bool = False) -> Any:
     return DataLoader(data, batch_size=BATCH, shuffle=False, sampler=sampler)
 
 
-def _lightning_trainer(gradsync_wrapper: bool) -> dict[str, Any]:
+def _lightning_trainer(gradsync_wrapper: bool, manual: bool = False) -> dict[str, Any]:
+    """Lightning's Trainer with ``accumulate_grad_batches``, or with ``manual`` optimization
+    as its docs show it: ``toggle_model(sync_grad=...)`` around ``manual_backward``, which
+    runs inside the wrapper's forward (so the wrapper must decide at the backward's start)."""
     import lightning.pytorch as pl
     from lightning.pytorch.strategies import DDPStrategy
 
@@ -252,10 +255,23 @@ def _lightning_trainer(gradsync_wrapper: bool) -> dict[str, Any]:
         def __init__(self) -> None:
             super().__init__()
             self.net = _mlp()
+            self.automatic_optimization = not manual
 
-        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor | None:
             x, y = batch
-            return torch.nn.functional.mse_loss(self.net(x), y)
+            loss = torch.nn.functional.mse_loss(self.net(x), y)
+            if not manual:
+                return loss
+            opt = self.optimizers()
+            assert isinstance(opt, pl.core.optimizer.LightningOptimizer)
+            last = batch_idx % MICRO == MICRO - 1
+            with opt.toggle_model(sync_grad=last):
+                self.manual_backward(loss / MICRO)
+            if last:
+                self.clip_gradients(opt, gradient_clip_val=PL_MAX_NORM)
+                opt.step()
+                opt.zero_grad()
+            return None
 
         def configure_optimizers(self) -> torch.optim.Optimizer:
             return torch.optim.SGD(self.parameters(), lr=PL_LR)
@@ -271,9 +287,11 @@ def _lightning_trainer(gradsync_wrapper: bool) -> dict[str, Any]:
         strategy: DDPStrategy = GradsyncStrategy(**kwargs, ddp_options={"timeout": 60})
     else:
         strategy = DDPStrategy(**kwargs)
+    by_trainer = {"accumulate_grad_batches": MICRO, "gradient_clip_val": PL_MAX_NORM}
     trainer = pl.Trainer(
         strategy=strategy, accelerator="cpu", devices=WORLD, max_steps=STEPS,
-        accumulate_grad_batches=MICRO, gradient_clip_val=PL_MAX_NORM, logger=False,
+        **({} if manual else by_trainer),
+        logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         use_distributed_sampler=False,
     )  # fmt: skip
@@ -343,6 +361,7 @@ def _lightning_rank(rank: int, world: int, port: int) -> dict[str, Any]:
     }
     for name, gradsync_wrapper in (("gradsync", True), ("torch", False)):
         out[f"lightning/{name}"] = _lightning_trainer(gradsync_wrapper)
+        out[f"manual/{name}"] = _lightning_trainer(gradsync_wrapper, manual=True)
         out[f"fabric/{name}"] = _fabric(gradsync_wrapper)
     out["reference"] = _lightning_reference()
     out["initial"] = _params(_mlp())
@@ -411,7 +430,7 @@ def test_lightning_trainer_and_fabric() -> None:
     per_rank = spawn(_lightning_rank, WORLD, (_free_port(),), timeout_s=240)
     assert all(out["registered"] for out in per_rank)
     forwarded = {"find_unused_parameters": True, "gradient_as_bucket_view": True, "timeout": 60}
-    diffs = _check(per_rank, {"lightning": forwarded, "fabric": forwarded})
+    diffs = _check(per_rank, {"lightning": forwarded, "fabric": forwarded, "manual": forwarded})
     print(f"max |diff| (vs torch DDP, vs one process): {diffs}")
 
 

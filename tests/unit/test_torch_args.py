@@ -166,9 +166,9 @@ def test_torchs_ignore_list_is_honoured(one_rank) -> None:  # type: ignore[no-un
 
 
 def test_inputs_go_to_the_replicas_device() -> None:
-    from gradsync.ddp.wrapper import _to_device
+    from gradsync.ddp.torch_args import to_device
 
     x = torch.ones(2)
-    args, kwargs = _to_device(((x, [x], 3), {"y": x, "z": "text"}), torch.device("meta"))
+    args, kwargs = to_device(((x, [x], 3), {"y": x, "z": "text"}), torch.device("meta"))
     assert args[0].is_meta and args[1][0].is_meta and args[2] == 3
     assert kwargs["y"].is_meta and kwargs["z"] == "text"

@@ -116,7 +116,8 @@ class Reducer:
         self.by_world = False  # a mean divides by the world, not num_active (torch's Join)
         self.window_forwards = 0  # training forwards in this window (see [Note: step tags])
         self.window_no_sync = 0
-        self._counted_no_sync = False
+        self._training_forward = False  # the last forward ran in training mode
+        self._backward_began = False  # a gradient of the last forward's backward arrived
         self.changes: list[str] = []  # how the parameter set differs from wrapping time
         self._tag_slots = TagSlots(self.buckets[0].tags, self.rank) if self.buckets else None
         self._local_nonfinite: list[str] = []
@@ -183,6 +184,7 @@ class Reducer:
     def _continue_window(self, old: Reducer, phase: _Phase) -> None:
         self.phase, self.used, self.num_active = phase, old.used, old.num_active
         self.window_forwards, self.window_no_sync = old.window_forwards, old.window_no_sync
+        self._training_forward, self._backward_began = old._training_forward, old._backward_began
         self.changes = old.changes
         if not self.main_grads:
             return  # the window's gradients are in .grad, where autograd put them
@@ -251,14 +253,26 @@ class Reducer:
         self.check_forward_allowed()
         if self.main_grads and self.phase is _Phase.UNPREPARED:  # a new accumulation window
             start_window(self.buckets, training)  # an eval forward keeps main_grad: see there
-        self.phase = _Phase.ARMED if sync else _Phase.ACCUMULATING
         self.num_active = self.world_size if num_active is None else num_active
         self.by_world = by_world
-        if training:
-            self.window_forwards += 1
-            self.window_no_sync += 0 if sync else 1
-        self._counted_no_sync = training and not sync  # undone by prepare_for_backward
+        self.window_forwards += int(training)
+        self.phase, self._training_forward, self._backward_began = _Phase.ARMED, training, False
+        self.decide(sync)
         self.changes = self.watch.changes()
+
+    def decide(self, sync: bool) -> None:
+        """Whether the backward of the forward just begun reduces (``sync``) or accumulates.
+
+        :meth:`begin_forward` decides from ``require_backward_grad_sync``; the wrapper decides
+        again when the flag changes while its module runs, until that forward's backward
+        begins: torch decides when the forward returns, and a backward run inside the forward
+        (Lightning's manual optimization under ``no_sync()``) goes by the flag at its start.
+        """
+        if self._backward_began or self.phase not in (_Phase.ARMED, _Phase.ACCUMULATING):
+            return
+        was_counted = self._training_forward and self.phase is _Phase.ACCUMULATING
+        self.phase = _Phase.ARMED if sync else _Phase.ACCUMULATING
+        self.window_no_sync += int(self._training_forward and not sync) - int(was_counted)
 
     # -- torch's Reducer methods that Accelerate and Lightning call on a DDP's ``.reducer`` --
     def prepare_for_backward(self, outputs: object = ()) -> None:
@@ -267,14 +281,11 @@ class Reducer:
         ``trigger_sync_in_backward``; Lightning calls it before every synchronising backward).
         ``outputs`` is torch's hint for finding unused parameters, which gradsync finds by
         itself."""
-        if self.phase is _Phase.ACCUMULATING:
-            self.phase = _Phase.ARMED
-            self.window_no_sync -= int(self._counted_no_sync)
-            self._counted_no_sync = False
-        elif self.phase is _Phase.UNPREPARED:
+        if self.phase is _Phase.UNPREPARED:
             raise ProtocolError(
                 "reducer.prepare_for_backward() needs a forward through the wrapper first"
             )
+        self.decide(True)
 
     def _rebuild_buckets(self) -> bool:
         """torch rebuilds its buckets once, after the first step; gradsync plans them at
@@ -302,6 +313,7 @@ class Reducer:
         if phase is _Phase.REDUCING:
             pass
         elif phase is _Phase.ACCUMULATING:
+            self._backward_began = True  # decide() no longer changes this backward
             self.buckets[b].accumulate(slot)  # main gradients add up in the bucket
             return
         elif phase is _Phase.UNPREPARED:

@@ -45,7 +45,7 @@ optimizer state, the point of ZeRO-1, is sharded either way.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -58,7 +58,7 @@ from gradsync.comm.worker import SerialWorker
 from gradsync.ddp.checks.verdicts import per_rank_lines
 from gradsync.ddp.plan import BucketSpec
 from gradsync.ddp.reducer import _OWNERS
-from gradsync.errors import GradsyncError, ParametersChangedError
+from gradsync.errors import GradsyncError, ParametersChangedError, UsageError
 from gradsync.failfast.deadline import Deadline
 from gradsync.optim import agree, clip
 from gradsync.optim.buffers import FlatBucket
@@ -150,6 +150,13 @@ class ShardedSteps:
     def updates(self) -> int:
         """Optimizer steps taken: the same on every rank (for the step tags)."""
         return self._step
+
+
+def refuse_unsupported(settings: Mapping[str, bool]) -> None:
+    """Raise ``UsageError`` naming every setting that ``settings`` marks as switched on."""
+    bad = [name for name, on in settings.items() if on]
+    if bad:
+        raise UsageError(f"shard_optimizer() does not support {', '.join(bad)} yet")
 
 
 def shard(

@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_map
 
 from gradsync.errors import UsageError
 
@@ -202,3 +203,9 @@ def resolve(
     trainable = [p for n, p in module.named_parameters() if p.requires_grad and n not in ignore]
     where = placement(module, trainable, device_ids, output_device)
     return (where, *buffer_syncing(broadcast_buffers, forward_sync_buffers))
+
+
+def to_device(tree: Any, device: torch.device) -> Any:
+    """``tree`` with every tensor moved to ``device``: torch DDP's ``_to_kwargs`` for one
+    device, what a forward does with its inputs when ``device_ids`` is given."""
+    return tree_map(lambda t: t.to(device, non_blocking=True) if torch.is_tensor(t) else t, tree)

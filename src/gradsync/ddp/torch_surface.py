@@ -21,6 +21,7 @@ import math
 from collections.abc import Callable
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch import nn
 
@@ -129,6 +130,15 @@ class TorchSurface:
         """The cap in bytes, as torch DDP names it (torch.compile's DDPOptimizer reads it)."""
         cap = self.bucket_cap_mb  # type: ignore[attr-defined]
         return 2**62 if cap is None or cap == math.inf else int(cap * 2**20)
+
+    # torch's Joinable interface (the wrapper's join_hook is the third member)
+    @property
+    def join_device(self) -> torch.device:
+        return self.device  # type: ignore[attr-defined]
+
+    @property
+    def join_process_group(self) -> Any:
+        return self.process_group  # type: ignore[attr-defined]
 
     def will_sync_module_buffers(self) -> bool:
         wrapper: Any = self

@@ -20,7 +20,6 @@ from torch import nn
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
-from torch.utils._pytree import tree_map
 
 from gradsync.comm import AllReduceAlgorithm, CommHook, torch_hooks
 from gradsync.comm.formats import Compression, describe_compression, make_comm_hook, wire_bytes
@@ -154,8 +153,8 @@ class DistributedDataParallel(TorchSurface, TorchDDP):  # type: ignore[override]
         self.device_ids, self.output_device = where.device_ids, where.output_device
         self.device, self.device_type = where.device, where.device_type
         self.is_multi_device_module = where.is_multi_device_module
-        # torch's flags, plain attributes that nanoGPT, Lightning and Accelerate set themselves.
-        self.require_backward_grad_sync = self.require_forward_param_sync = True
+        # torch's flags, which nanoGPT, Lightning and Accelerate set themselves.
+        self._sync_backward = self.require_forward_param_sync = True
         self.skip_all_reduce_unused_params = skip_all_reduce_unused_params  # torch's hints: the
         self.batched_grad_copy = batched_grad_copy  # results are the same either way
         self._autotune = AutoBuckets(first_bucket_cap_mb) if self.options.auto else None
@@ -268,7 +267,7 @@ class DistributedDataParallel(TorchSurface, TorchDDP):  # type: ignore[override]
         they call is traced): it traces the module call alone, as one graph split by
         DDPOptimizer, and breaks only in torch's _inside_ddp_forward, as torch DDP does."""
         if self.device_ids:  # torch's rule: inputs go to the replica's device
-            args, kwargs = _to_device((args, kwargs), self.device)
+            args, kwargs = torch_args.to_device((args, kwargs), self.device)
         if not torch.is_grad_enabled():
             return args, kwargs  # under no_grad: nothing to synchronise
         self._forward_ran = True
@@ -352,12 +351,17 @@ class DistributedDataParallel(TorchSurface, TorchDDP):  # type: ignore[override]
         return self._join.torch_hook(kwargs.get("divide_by_initial_world_size", True))
 
     @property
-    def join_device(self) -> torch.device:
-        return self.device
+    def require_backward_grad_sync(self) -> bool:
+        """torch's flag: ``False`` makes the backward of a forward run now accumulate locally.
+        Set while the module runs, before its backward begins, it decides that backward too
+        (Lightning's manual optimization runs backward inside the forward; see Reducer.decide)."""
+        return self._sync_backward
 
-    @property
-    def join_process_group(self) -> Any:
-        return self.process_group
+    @require_backward_grad_sync.setter
+    def require_backward_grad_sync(self, sync: bool) -> None:
+        self._sync_backward = bool(sync)
+        if TorchDDP._active_ddp_module is self:  # inside _run_module
+            self.reducer.decide(self._sync_backward)
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -385,22 +389,18 @@ class DistributedDataParallel(TorchSurface, TorchDDP):  # type: ignore[override]
         with the parameters in place on every rank, after checking that every rank steps with
         the same hyper-parameters (see [Note: sharded steps in the wrapper] in
         ``gradsync/ddp/sharding.py``). Call it on every rank, once, before the first forward."""
-        if self.main_grad_dtype is not None:
-            raise UsageError("shard_optimizer() does not support main_grad_dtype yet")
-        reducer = self.reducer
-        if self._forward_ran or self._sharded is not None:
-            raise ProtocolError("shard_optimizer() must be called once, before the first forward")
-        unsupported = {
+        sharding.refuse_unsupported({
+            "main_grad_dtype": self.main_grad_dtype is not None,
             "algorithm": self.algorithm.name != "native",
             "compression": self.compression is not None or self._torch_hook is not None,
             "check_finite": self.options.check_finite,
             "DTensor parameters": any(layout is not None for layout in self._layouts),
             # The optimizer's layout follows the buckets, which "auto" replaces after a few steps.
             "bucket_cap_mb='auto'": self._autotune is not None,
-        }
-        if any(unsupported.values()):
-            bad = ", ".join(k for k, v in unsupported.items() if v)
-            raise UsageError(f"shard_optimizer() does not support {bad} yet")
+        })  # fmt: skip
+        if self._forward_ran or self._sharded is not None:
+            raise ProtocolError("shard_optimizer() must be called once, before the first forward")
+        reducer = self.reducer
         steps = sharding.shard(
             reducer.specs, list(zip(reducer.names, reducer.params, strict=True)),
             reducer.watch.changes(), self._deadline, optimizer_class, defaults,
@@ -492,9 +492,3 @@ class DistributedDataParallel(TorchSurface, TorchDDP):  # type: ignore[override]
         self._replicas_checked_at = int(state["replicas_checked_at"])
         if "comm" in state:
             hook.load_state_dict(state["comm"])
-
-
-def _to_device(tree: Any, device: torch.device) -> Any:
-    """``tree`` with every tensor moved to ``device`` (torch DDP's ``_to_kwargs``, for one
-    device)."""
-    return tree_map(lambda t: t.to(device, non_blocking=True) if torch.is_tensor(t) else t, tree)
