@@ -105,4 +105,6 @@ def test_training_equals_single_process(world: int) -> None:
             if cap == SMALL_CAP_MB:
                 assert 2 <= r["num_buckets"] < r["num_trainable"] or kind == "plain", case
             if cap is None or cap == "scaled":
-                assert r["num_buckets"] == 1, case
+                # After the first step the unused parameters get a bucket of their own, so
+                # that the used ones launch during backward (unused_last.py).
+                assert r["num_buckets"] == (2 if kind == "routed_unused" else 1), case

@@ -190,3 +190,13 @@ def test_results_give_new_gradients_one_copy_per_bucket_and_keep_existing_ones()
     bucket.grads.zero_()  # the gradients no longer alias the buffer
     assert all(torch.equal(p.grad, torch.arange(28.0)[o : o + p.numel()])  # type: ignore[arg-type]
                for p, o in zip(bucket.params, spec.offsets, strict=True))  # fmt: skip
+
+
+def test_parameters_planned_last_fill_the_last_buckets_in_reverse_order() -> None:
+    params = [(10, F32), (20, F32), (30, F32), (5, F32)]
+    assert [s.param_indices for s in plan_buckets(params, 0, last=[3, 1])] == [
+        (2,), (0,), (3,), (1,),
+    ]  # fmt: skip
+    # With a cap, no bucket holds parameters of both groups.
+    assert [s.param_indices for s in plan_buckets(params, 200, last=[3])] == [(2, 1), (0,), (3,)]
+    assert plan_buckets(params, 200, last=()) == plan_buckets(params, 200)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import argparse
 import math
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -142,6 +142,7 @@ def plan_buckets(
     params: Sequence[tuple[int, torch.dtype]],
     cap_bytes: int | None,
     first_cap_bytes: int | None = None,
+    last: Collection[int] = (),
 ) -> list[BucketSpec]:
     """Group parameters, given as ``(numel, dtype)`` in registration order, into buckets.
 
@@ -156,6 +157,7 @@ def plan_buckets(
     gradients (torch DDP does the same with 1 MB).
 
     Buckets are numbered in the order they close, which is the order they are launched in.
+    ``last``: parameters planned after all others, in buckets of their own (unused_last.py).
     """
     specs: list[BucketSpec] = []
     open_: dict[torch.dtype, list[int]] = {}
@@ -170,7 +172,7 @@ def plan_buckets(
             total += params[i][0]
         specs.append(BucketSpec(len(specs), dtype, tuple(members), tuple(offsets), total))
 
-    for i in reversed(range(len(params))):
+    def add(i: int) -> None:
         numel, dtype = params[i]
         nbytes = numel * torch.empty((), dtype=dtype).element_size()
         if (
@@ -184,6 +186,15 @@ def plan_buckets(
         if cap_bytes and first_cap_bytes is not None and not specs:
             if open_bytes[dtype] >= first_cap_bytes:
                 close(dtype)  # the first bucket goes as soon as it holds first_cap_bytes
+
+    late = set(last)
+    for i in reversed(range(len(params))):
+        if i not in late:
+            add(i)
+    for dtype in list(open_) if late else ():
+        close(dtype)  # no bucket holds parameters of both groups
+    for i in sorted(late, reverse=True):
+        add(i)
     for dtype in list(open_):
         close(dtype)
     return specs

@@ -46,6 +46,7 @@ from gradsync.ddp.main_grads import start_window
 from gradsync.ddp.options import SyncOptions
 from gradsync.ddp.plan import BucketSpec
 from gradsync.ddp.reduction import Reduction
+from gradsync.ddp.unused_last import unused_somewhere
 from gradsync.errors import GradsyncError, NonFiniteGradientError, ProtocolError
 from gradsync.failfast.deadline import Deadline
 from gradsync.mesh.dtensors import GradLayout
@@ -110,6 +111,8 @@ class Reducer:
         self.next_bucket = 0
         self.used = [False] * len(self.params)  # used during the current accumulation window
         self.num_reductions = 0  # completed synchronised backward passes, for tests and logs
+        # Parameters the first reduction found unused on some rank (see unused_last.py).
+        self.first_unused: tuple[int, ...] | None = None
         # Ranks that contribute data to the coming reduction: fewer than world_size once some
         # ranks have run out of data and joined (see join.py); they contribute zeros.
         self.num_active = self.world_size
@@ -410,6 +413,8 @@ class Reducer:
                 self.comm_hook.discard_step()  # the step is skipped: so is its hook state
                 raise
             self.reduction.post_divide([b.grads for b in self.buckets], readout.total_items)
+            if self.first_unused is None and self.options.tolerates_unused:
+                self.first_unused = unused_somewhere(self.specs, readout.counts, self.num_active)
             if write_back:
                 self._write_back(readout.counts)
             self.num_reductions += 1

@@ -8,7 +8,8 @@ from collections.abc import Collection, Mapping
 from typing import Any
 
 from gradsync.comm import CommHook
-from gradsync.errors import ProtocolError
+from gradsync.errors import ProtocolError, UsageError
+from gradsync.failfast.deadline import Deadline
 
 _PREFIXES = ("module.", "_orig_mod.")  # added by wrapping in DDP and by torch.compile
 
@@ -58,3 +59,15 @@ def comm_state_problem(hook: CommHook, compression: str, state: Mapping[str, Any
     if not keeps and "comm" in state:
         return f"it holds compression state (e.g. PowerSGD's), this wrapper has {compression}"
     return hook.load_problem(state["comm"]) if keeps else None
+
+
+def refuse_unloadable(
+    hook: CommHook, compression: str, state: Mapping[str, Any], deadline: Deadline
+) -> None:
+    """A collective (one small all-gather): raise ``UsageError`` on every rank if any rank
+    cannot load ``state``, before any rank has changed anything."""
+    problem = comm_state_problem(hook, compression, state)
+    every = deadline.gather_objects(problem, "the check of the loaded sync state")
+    bad = [f"rank {r}: {p}" for r, p in enumerate(every) if p is not None]
+    if bad:
+        raise UsageError("cannot load this sync state; nothing was loaded.\n" + "\n".join(bad))

@@ -35,9 +35,10 @@ from gradsync.ddp.options import Setting, SyncOptions
 from gradsync.ddp.plan import BucketSpec, cap_to_bytes, plan_buckets, resolve_cap
 from gradsync.ddp.reducer import Reducer
 from gradsync.ddp.reduction import Reduction
-from gradsync.ddp.state_keys import comm_state_problem, refuse_mid_step, strip_prefixes
+from gradsync.ddp.state_keys import refuse_mid_step, refuse_unloadable, strip_prefixes
 from gradsync.ddp.torch_args import Device
 from gradsync.ddp.torch_surface import TorchSurface
+from gradsync.ddp.unused_last import UnusedLast
 from gradsync.errors import GradsyncError, ProtocolError, UsageError
 from gradsync.failfast.deadline import as_timedelta, new_wrapper_deadline
 from gradsync.mesh.axes import axis_names, data_parallel_group
@@ -72,29 +73,17 @@ class DistributedDataParallel(TorchSurface, TorchDDP):  # type: ignore[override]
             data, e.g. ``mesh["dp"]`` or ``mesh["dp", "cp"]`` (never a tensor-parallel axis).
             DTensor parameters' local shards are reduced; their gradients stay DTensors.
 
-    Keyword-only, gradsync's own:
-        first_bucket_cap_mb: a lower cap for the first bucket (the last layers' gradients), so
-            communication starts early in backward; ``None`` uses ``bucket_cap_mb`` for all.
-        reduction: ``"mean"`` averages gradients over ranks (for mean-reduced losses);
-            ``"sum"`` sums them (for sum-reduced losses); ``"item_mean"`` divides the sum by the
-            number of items (samples, tokens) declared with :meth:`count_items` on all ranks
-            and micro-batches of the optimizer step: the exact global mean, whatever the split.
-        algorithm: the all-reduce of every bucket: a name from ``gradsync.comm.ALGORITHMS``
-            or an :class:`~gradsync.comm.AllReduceAlgorithm` instance.
-        compression: the gradients' wire format: ``None`` (exact), ``"bf16"`` or ``"fp16"``
-            (half the bytes, fp32 accumulation) or a :class:`gradsync.comm.PowerSGD` (low
-            rank, error feedback); see ``gradsync/comm/formats.py``. Used flags and step tags
-            always travel exactly.
-        timeout: deadline (seconds or ``timedelta``) for each of gradsync's collectives; past it
-            every waiting rank raises ``CollectiveTimeoutError`` saying what it waited for.
-        check_finite: check each bucket for NaN/Inf before communication; on a hit every rank
-            raises ``NonFiniteGradientError`` naming rank, bucket and parameter (one
-            device-to-host sync per bucket).
-        check_replicas_every: every this many optimizer steps, compare parameter checksums
-            across ranks (:meth:`check_replicas`) at the next forward; 0 disables.
-        main_grad_dtype: e.g. ``torch.float32`` for a bf16 model: gradients are accumulated
-            and reduced in this dtype, into ``p.main_grad`` (``.grad`` gets them rounded); see
-            [Note: main gradients] in ``main_grads.py``.
+    Keyword-only, gradsync's own (each documented on its field of ``gradsync.SyncOptions``):
+        first_bucket_cap_mb: a lower cap for the first bucket, so communication starts early.
+        reduction: ``"mean"`` over ranks, ``"sum"``, or ``"item_mean"``: the sum divided by
+            the items declared with :meth:`count_items` over every rank and micro-batch.
+        algorithm, compression: the all-reduce of every bucket (``gradsync.comm.ALGORITHMS``)
+            and the gradients' wire format (``None``, ``"bf16"``, ``"fp16"``, ``PowerSGD``).
+        timeout: the deadline of each of gradsync's collectives; past it every waiting rank
+            raises ``CollectiveTimeoutError`` saying what it waited for.
+        check_finite, check_replicas_every: NaN/Inf check per bucket before communication;
+            parameter checksums compared across ranks every this many steps.
+        main_grad_dtype: accumulate and reduce gradients in this dtype, into ``p.main_grad``.
     """
 
     _torch_hook: Callable[..., Any] | None = None  # set by register_comm_hook
@@ -153,11 +142,11 @@ class DistributedDataParallel(TorchSurface, TorchDDP):  # type: ignore[override]
         self.device_ids, self.output_device = where.device_ids, where.output_device
         self.device, self.device_type = where.device, where.device_type
         self.is_multi_device_module = where.is_multi_device_module
-        # torch's flags, which nanoGPT, Lightning and Accelerate set themselves.
-        self._sync_backward = self.require_forward_param_sync = True
+        self._sync_backward = self.require_forward_param_sync = True  # torch's flags
         self.skip_all_reduce_unused_params = skip_all_reduce_unused_params  # torch's hints: the
         self.batched_grad_copy = batched_grad_copy  # results are the same either way
         self._autotune = AutoBuckets(first_bucket_cap_mb) if self.options.auto else None
+        self._unused_last = UnusedLast(self.options)
         self._make_replicas_equal(self.options.settings(axis_names(device_mesh)))
         self.reducer = self._first_reducer()
         self._join = self._new_join_protocol()
@@ -246,12 +235,22 @@ class DistributedDataParallel(TorchSurface, TorchDDP):  # type: ignore[override]
         self.bucket_cap_mb = math.inf if cap_mb is None else cap_mb
         return self._replace_reducer(specs)
 
-    @torch.compiler.disable(recursive=False)  # see _before_training_forward
+    def _plan_last(self, last: tuple[int, ...]) -> None:
+        """Buckets with the parameters ``last`` planned last (see unused_last.py); not once
+        the parameter set changed (the next reduction raises ParametersChangedError)."""
+        if self.reducer.watch.changes():
+            return
+        cap, first = self.bucket_cap_mb, self.options.first_bucket_cap_mb
+        specs = plan_buckets(self.bucket_sizes, cap_to_bytes(cap), cap_to_bytes(first), last)
+        if specs != self.reducer.specs:
+            self._replace_reducer(specs)
+
+    @torch.compiler.disable(recursive=False)  # see _prepare_forward
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        args, kwargs = self._before_training_forward(args, kwargs)
+        args, kwargs = self._prepare_forward(args, kwargs)
         return self._run_module(args, kwargs)
 
-    @torch.compiler.disable(recursive=False)  # see _before_training_forward
+    @torch.compiler.disable(recursive=False)  # see _prepare_forward
     def _run_module(self, args: Any, kwargs: Any) -> Any:
         # As torch DDP does: marks this wrapper active while the module runs, so that
         # torch.compile's DDPOptimizer splits a compiled module's graph at bucket boundaries.
@@ -259,7 +258,7 @@ class DistributedDataParallel(TorchSurface, TorchDDP):  # type: ignore[override]
             return self.module(*args, **kwargs)
 
     @torch.compiler.disable  # never traced, nor anything it calls
-    def _before_training_forward(self, args: Any, kwargs: Any) -> tuple[Any, Any]:
+    def _prepare_forward(self, args: Any, kwargs: Any) -> tuple[Any, Any]:
         """What a forward does before its module runs, the same on every rank: move the inputs
         and, with grad enabled, the protocol checks, the step's bookkeeping and, in training
         mode, the small collectives; returns the inputs to run the module with. torch.compile
@@ -285,6 +284,8 @@ class DistributedDataParallel(TorchSurface, TorchDDP):  # type: ignore[override]
                     self.reducer, self._join.joining, self.bucket_sizes, self.bucket_cap_mb,
                     self._adopt_plan,
                 )  # fmt: skip
+            if training and not (self.reducer.window_open or self._join.joining):  # between steps
+                self._unused_last.before_forward(self.reducer.first_unused, self._plan_last)
             joining, num_active = self._join.joining, None
             # Collectives in training mode only: an eval forward may run on rank 0 alone.
             if training and (broadcast or joining or check_due or not self._first_batch_checked):
@@ -431,6 +432,7 @@ class DistributedDataParallel(TorchSurface, TorchDDP):  # type: ignore[override]
         adapter = torch_hooks.register(state, hook, self._deadline, numels, facts)
         self._replace_reducer(self.reducer.specs, comm_hook=adapter)
         self._torch_hook = hook
+        self._unused_last.enabled = False  # the hook's state may be per bucket
 
     def finish_gradient_synchronization(self) -> None:
         """Wait for outstanding reductions; idempotent. Backward already calls it at its end."""
@@ -470,10 +472,12 @@ class DistributedDataParallel(TorchSurface, TorchDDP):  # type: ignore[override]
         """
         refuse_mid_step(self.reducer.window_open, self._join.joining)
         reducer, comm = self.reducer, self.reducer.comm_hook.state_dict()
-        state = {
+        state: dict[str, Any] = {
             "num_reductions": reducer.num_reductions,
             "replicas_checked_at": self._replicas_checked_at,
         }
+        if (last := self._unused_last.state()) is not None:
+            state["unused_last"] = last  # the buckets' plan (see unused_last.py)
         return {**state, "comm": comm} if comm else state
 
     def load_sync_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -483,11 +487,8 @@ class DistributedDataParallel(TorchSurface, TorchDDP):  # type: ignore[override]
         every rank before any rank has changed anything."""
         refuse_mid_step(self.reducer.window_open, self._join.joining)
         hook = self.reducer.comm_hook
-        problem = comm_state_problem(hook, describe_compression(self.compression), state)
-        every = self._deadline.gather_objects(problem, "the check of the loaded sync state")
-        bad = [f"rank {r}: {p}" for r, p in enumerate(every) if p is not None]
-        if bad:
-            raise UsageError("cannot load this sync state; nothing was loaded.\n" + "\n".join(bad))
+        refuse_unloadable(hook, describe_compression(self.compression), state, self._deadline)
+        self._unused_last.load(state.get("unused_last"), self._plan_last)
         self.reducer.resume_from(int(state["num_reductions"]))
         self._replicas_checked_at = int(state["replicas_checked_at"])
         if "comm" in state:
