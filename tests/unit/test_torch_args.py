@@ -106,9 +106,11 @@ def test_what_gradsync_cannot_take_is_refused_saying_why(one_rank, kwargs, match
         gradsync.DistributedDataParallel(_model(), **kwargs)
 
 
-def test_device_ids_are_checked_against_the_modules_device() -> None:
+def test_device_ids_are_checked_against_the_modules_device(monkeypatch) -> None:  # type: ignore[no-untyped-def]
     def on(*devices: str) -> list:
         return [SimpleNamespace(device=torch.device(d)) for d in devices]
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)  # set_device(1) was called
 
     where = torch_args.placement(nn.Module(), on("cuda:1"), [1], None)
     assert (where.device_ids, where.output_device, where.device_type) == ([1], 1, "cuda")
@@ -120,6 +122,28 @@ def test_device_ids_are_checked_against_the_modules_device() -> None:
         torch_args.placement(nn.Module(), on("cuda:0", "cuda:1"), [0], None)
     with pytest.raises(gradsync.UsageError, match="one type of device"):
         torch_args.placement(nn.Module(), on("cpu", "cuda:0"), None, None)
+
+
+def test_a_replica_off_the_current_cuda_device_is_refused_naming_set_device(
+    one_rank, monkeypatch
+) -> None:  # type: ignore[no-untyped-def]
+    """A script that moves its model to cuda:LOCAL_RANK without torch.cuda.set_device would run
+    NCCL and every unplaced CUDA tensor on cuda:0 from every rank; and the wrapper's own checks
+    run on the replica's GPU, never on whatever device is current."""
+    from gradsync.failfast.arrivals import ArrivalRecords
+    from gradsync.failfast.deadline import Deadline, as_timedelta
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)  # set_device never called
+    replica = [SimpleNamespace(device=torch.device("cuda:1"))]
+    with pytest.raises(gradsync.UsageError, match=r"on cuda:1.*current CUDA device is cuda:0.*"
+                       r"torch.cuda.set_device\(1\)"):  # fmt: skip
+        torch_args.placement(nn.Module(), replica, None, None)
+    monkeypatch.setattr(torch.distributed, "get_backend", lambda group=None: "nccl")
+    arrivals = ArrivalRecords(None, "device choice")
+    on_replica = Deadline(None, as_timedelta(5), arrivals, torch.device("cuda:1"))
+    assert on_replica.device == torch.device("cuda:1")
+    assert Deadline(None, as_timedelta(5), arrivals).device == torch.device("cuda:0")
+    assert torch_args.module_device(nn.Linear(1, 1)) == torch.device("cpu")
 
 
 def test_settings_and_torch_internals_refuse_changes(one_rank) -> None:  # type: ignore[no-untyped-def]

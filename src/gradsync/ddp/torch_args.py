@@ -66,15 +66,25 @@ def _device_index(device: Any) -> int:
     )
 
 
+def _held(module: nn.Module, params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    # torch refuses a module with nothing to train; gradsync wraps it (a frozen module still
+    # gets its buffers synchronised and takes part in join()), placed by any tensor it holds.
+    return list(params) or list(module.parameters()) or list(module.buffers())
+
+
+def module_device(module: nn.Module) -> torch.device:
+    """The device of the module's first parameter (or buffer); CPU if it holds none."""
+    held = _held(module, ())
+    return held[0].device if held else torch.device("cpu")
+
+
 def placement(
     module: nn.Module, params: Sequence[torch.Tensor], device_ids: Any, output_device: Any
 ) -> Placement:
     """torch's rules: ``device_ids`` is ``None`` or one device, and only for a module whose
     parameters sit on one accelerator; gradsync also checks that it *is* that device, which
     torch leaves to the first forward to find out."""
-    # torch refuses a module with nothing to train; gradsync wraps it (a frozen module still
-    # gets its buffers synchronised and takes part in join()), placed by any tensor it holds.
-    held = list(params) or list(module.parameters()) or list(module.buffers())
+    held = _held(module, params)
     devices = {p.device for p in held} or {torch.device("cpu")}
     types = {d.type for d in devices}
     if len(types) != 1:
@@ -92,6 +102,13 @@ def placement(
     (device_type,) = types
     multi = len(devices) > 1
     device = held[0].device if held else torch.device("cpu")
+    if device_type == "cuda" and not multi and device.index != torch.cuda.current_device():
+        raise UsageError(
+            f"the module's parameters are on {device}, but this process's current CUDA device "
+            f"is cuda:{torch.cuda.current_device()}; call torch.cuda.set_device({device.index}) "
+            "before wrapping (torchrun: torch.cuda.set_device(int(os.environ['LOCAL_RANK']))), "
+            "so that NCCL and every CUDA tensor not placed explicitly use the replica's GPU"
+        )
     if not device_ids or device_type == "cpu" or multi:
         if device_ids or output_device is not None:
             raise UsageError(

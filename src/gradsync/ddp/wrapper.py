@@ -116,7 +116,9 @@ class DistributedDataParallel(TorchSurface, TorchDDP):  # type: ignore[override]
         self.module, self.device_mesh, self.dim = module, device_mesh, dim
         process_group = data_parallel_group(process_group, device_mesh)
         self.process_group = process_group  # type: ignore[assignment]  # torch: never None
-        self._deadline = new_wrapper_deadline(process_group, as_timedelta(timeout))
+        self._deadline = new_wrapper_deadline(
+            process_group, as_timedelta(timeout), torch_args.module_device(module)
+        )
         self.parameters_to_ignore = torch_args.ignored_names(module)
         try:  # a refusal on one rank is raised on every rank, in place of the model check
             where, each_forward, at_init = torch_args.resolve(

@@ -67,15 +67,21 @@ class Deadline:
     """
 
     def __init__(
-        self, group: dist.ProcessGroup | None, timeout: timedelta, arrivals: ArrivalRecords
+        self,
+        group: dist.ProcessGroup | None,
+        timeout: timedelta,
+        arrivals: ArrivalRecords,
+        device: torch.device | None = None,
     ) -> None:
         self.group = group
         self.timeout = timeout
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
-        self.device = torch.device("cpu")
-        if dist.get_backend(group) == "nccl":
-            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.device = torch.device("cpu")  # where the small tensors of the checks live
+        if dist.get_backend(group) == "nccl":  # CUDA tensors only: the caller's GPU, if given
+            if device is None or device.type != "cuda":
+                device = torch.device("cuda", torch.cuda.current_device())
+            self.device = device
         self.arrivals = arrivals
         self.owns_group = False  # a private group (for_group) is released after a failure
         self.seq = 0  # operations begun; the same sequence on every rank
@@ -89,7 +95,11 @@ class Deadline:
 
     @classmethod
     def for_group(
-        cls, group: dist.ProcessGroup | None, timeout: timedelta, namespace: str
+        cls,
+        group: dist.ProcessGroup | None,
+        timeout: timedelta,
+        namespace: str,
+        device: torch.device | None = None,
     ) -> Deadline:
         """A deadline for gradsync's collectives over ``group``'s ranks, on a private group
         (``group.py``) created once every rank has arrived: the arrival is checked through the
@@ -116,7 +126,7 @@ class Deadline:
                 f"rank {arrivals.rank} could not connect gradsync's process group for "
                 f"{namespace} within {timeout.total_seconds():g} s ({exc}). {_CULPRITS}"
             ) from exc
-        deadline = cls(group, timeout, arrivals)
+        deadline = cls(group, timeout, arrivals, device)
         deadline.owns_group = True
         deadline.seq = 1
         return deadline
@@ -231,8 +241,12 @@ class Deadline:
 _num_wrappers = 0  # wrappers built in this process: the same sequence on every rank
 
 
-def new_wrapper_deadline(group: dist.ProcessGroup | None, timeout: timedelta) -> Deadline:
-    """The deadline (and private group) of the next wrapper built in this process."""
+def new_wrapper_deadline(
+    group: dist.ProcessGroup | None, timeout: timedelta, device: torch.device
+) -> Deadline:
+    """The deadline (and private group) of the next wrapper built in this process, whose
+    replica is on ``device`` (on NCCL its checks run there, not on the current device)."""
     global _num_wrappers
     _num_wrappers += 1
-    return Deadline.for_group(group, timeout, f"DistributedDataParallel #{_num_wrappers}")
+    name = f"DistributedDataParallel #{_num_wrappers}"
+    return Deadline.for_group(group, timeout, name, device)
