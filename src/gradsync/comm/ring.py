@@ -13,6 +13,11 @@ independent of the number of ranks, which is why it is the textbook choice for l
 
 The pieces here (:func:`chunk_bounds`, :class:`RingRunner`, :class:`ThreadedAllReduce`) are
 shared with :mod:`gradsync.comm.hierarchical`.
+
+Host memory only: the scratch buffers the segments are received into live on the CPU, and
+gloo's send/recv read raw data pointers as host memory, so a CUDA tensor would be read as
+garbage (or crash the process). Every send and receive refuses a tensor off the CPU instead:
+on GPUs, NCCL's own ring (``algorithm="native"``, the default) runs on the device.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import torch.distributed as dist
 
 from gradsync.comm.algorithm import AllReduceAlgorithm, CommStats, Handle
 from gradsync.comm.worker import SerialWorker
+from gradsync.errors import UsageError
 
 # Half-precision chunks are added in float32 and rounded back once per step. The running partial
 # sum has to cross the wire in the tensor's own dtype at every step (sending float32 would double
@@ -96,6 +102,17 @@ def _accumulate(dst: torch.Tensor, src: torch.Tensor) -> None:
         dst.copy_(dst.to(wide).add_(src.to(wide)))
 
 
+def _host_only(t: torch.Tensor) -> None:
+    if t.device.type != "cpu":
+        raise UsageError(
+            f"gradsync's point-to-point ring moves host memory only, and this bucket is on "
+            f"{t.device}: algorithm='ring' or 'hierarchical', and on gloo also "
+            "compression='bf16'/'fp16' and shard_optimizer(), need CPU tensors. On GPUs use "
+            "backend='nccl' with algorithm='native' (the default): NCCL's own ring runs on the "
+            "device, and compression and shard_optimizer() use NCCL's collectives there"
+        )
+
+
 def segment_bounds(start: int, stop: int, segment: int) -> list[tuple[int, int]]:
     """Split ``range(start, stop)`` into pieces of ``segment`` elements (the last one shorter)."""
     if segment < 1:
@@ -145,12 +162,14 @@ class RingRunner:
         return [typed[i * elems : (i + 1) * elems] for i in range(count)]
 
     def _isend(self, t: torch.Tensor, ring: Ring, tag: int) -> dist.Work:
+        _host_only(t)
         self.stats.bytes_sent += t.numel() * t.element_size()
         work = dist.isend(t, dst=ring.next, group=ring.group, tag=tag)
         assert work is not None
         return work
 
     def _irecv(self, t: torch.Tensor, ring: Ring, tag: int) -> dist.Work:
+        _host_only(t)
         self.stats.bytes_received += t.numel() * t.element_size()
         work = dist.irecv(t, src=ring.prev, group=ring.group, tag=tag)
         assert work is not None
