@@ -119,7 +119,8 @@ def _update_and_item_cases(rank: int, world: int, out: dict) -> None:
     for i, seq in enumerate(mine):
         with ddp.no_sync() if i < len(mine) - 1 else contextlib.nullcontext():
             loss = toy.token_loss_sum(ddp, tokens[seq : seq + 1], targets[seq : seq + 1])
-            ddp.count_items(int((targets[seq] != -1).sum()))
+            count = (targets[seq] != -1).sum()  # a tensor, as a GPU loop has it; or a number
+            ddp.count_items(count if i % 2 == 0 else int(count))
             loss.backward()
     reference = toy.make_token_model()
     (toy.token_loss_sum(reference, tokens, targets) / int((targets != -1).sum())).backward()
@@ -135,6 +136,13 @@ def _update_and_item_cases(rank: int, world: int, out: dict) -> None:
         ddp.count_items(1)
         loss.backward()
     out["bad_counts"] = bad
+
+    def bad_tensor_count() -> None:  # checked in the step's total, so on every rank
+        loss = toy.token_loss_sum(ddp, tokens[:1], targets[:1])
+        ddp.count_items(torch.tensor(-7.0 if rank == CULPRIT else 1.0))
+        loss.backward()
+
+    out["bad_tensor_count"] = error_text(bad_tensor_count)
     out["bad_timeouts"] = {
         repr(t): error_text(lambda t=t: _wrap_with_timeout(t))
         for t in (0, -1.0, math.inf, math.nan, timedelta(0), timedelta(seconds=-1), "5")
@@ -251,6 +259,8 @@ def test_extra_optimizer_step_and_item_counts(mistakes: list[dict]) -> None:
         assert out["uneven_micro_batches"] < 1e-6, out["uneven_micro_batches"]
         for value, text in out["bad_counts"].items():
             assert text and text.startswith("UsageError") and "finite count" in text, value
+        text = out["bad_tensor_count"]
+        assert text and text.startswith("UsageError") and "negative or non-finite" in text, text
         for timeout, text in out["bad_timeouts"].items():
             assert text and text.startswith("UsageError") and "timeout" in text, timeout
 

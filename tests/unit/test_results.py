@@ -71,9 +71,9 @@ def test_one_rank_reads_no_device_values_and_sees_the_same(one_rank, compared) -
     model(torch.ones(2, 4), "b").backward()  # the window used both heads
     assert len(compared) == 3
     assert not any(from_device for from_device, _ in compared)
-    counts = [c for _, (per_bucket, _, _, _) in compared for c in per_bucket]
+    counts = [c for _, (per_bucket, *_) in compared for c in per_bucket]
     assert [0.0] in counts and [1.0] in counts  # both kinds of flag were compared
-    tags = [t for _, (_, _, _, t) in compared]
+    tags = [readout.tags for _, readout in compared]
     assert [t[0].steps for t in tags] == [0, 1, 2] and tags[2][0].forwards == 2
 
     # What needs device values still reads them.

@@ -64,6 +64,12 @@ class Bucket:
         self.arrived: list[int] = []  # slots whose hook fired, not copied in yet (see gather)
         self.filled_late = False  # some slot was filled at the end of backward, not by a hook
         self.work = None
+        self.local_finite: torch.Tensor | None = None  # see flag_finite
+
+    def flag_finite(self) -> None:
+        """Note, on the device, which gradients in the buffer are finite before the sum mixes
+        them (``check_finite``): read with the step's readout, so no host read per bucket."""
+        self.local_finite = torch.stack([torch.isfinite(v).all() for v in self.views])
 
     # -- in: from autograd's hooks, then at the end of backward ------------------------------
     def arrive(self, slot: int) -> None:

@@ -40,7 +40,6 @@ from gradsync.ddp.checks.verdicts import (
     gradient_twice,
     gradient_without_forward,
     judge,
-    nonfinite_params,
 )
 from gradsync.ddp.main_grads import start_window
 from gradsync.ddp.options import SyncOptions
@@ -123,7 +122,6 @@ class Reducer:
         self._backward_began = False  # a gradient of the last forward's backward arrived
         self.changes: list[str] = []  # how the parameter set differs from wrapping time
         self._tag_slots = TagSlots(self.buckets[0].tags, self.rank) if self.buckets else None
-        self._local_nonfinite: list[str] = []
         self._hooks = self._take_over_parameters()
 
     def _bucket(self, b: int, spec: BucketSpec) -> Bucket:
@@ -299,7 +297,7 @@ class Reducer:
         """torch's static-graph first step defers its reduction to the end of backward;
         gradsync's first step reduces like every other: nothing was deferred."""
 
-    def count_items(self, num_items: float) -> None:
+    def count_items(self, num_items: float | torch.Tensor) -> None:
         """Declare that the current micro-batch's (sum-reduced) loss covers ``num_items`` items."""
         if self.phase in (_Phase.UNPREPARED, _Phase.REDUCING) and self.reduction.counts_items:
             # After the synchronising backward the count would silently land in the next window.
@@ -366,10 +364,12 @@ class Reducer:
     def _launch(self, bucket: Bucket) -> None:
         bucket.gather(self._scale)
         if self.options.check_finite:
-            self._local_nonfinite += nonfinite_params(bucket, self.names)
+            bucket.flag_finite()  # read with the step's readout
         if bucket.filled_late:
             flags = [1.0 if self.used[i] else 0.0 for i in bucket.spec.param_indices]
-            bucket.used_flags.copy_(torch.tensor(flags, dtype=bucket.buffer.dtype))
+            cuda = bucket.buffer.is_cuda  # pinned and non-blocking: the host does not wait
+            host = torch.tensor(flags, dtype=bucket.buffer.dtype, pin_memory=cuda)
+            bucket.used_flags.copy_(host, non_blocking=cuda)
         else:  # every slot was filled by its hook: all used (no host-to-device copy needed)
             bucket.used_flags.fill_(1.0)
         bucket.work = self.comm_hook.start(bucket)
@@ -428,7 +428,7 @@ class Reducer:
         return StepContext(
             deadline=self.deadline, specs=self.specs, names=self.names, used=self.used,
             num_active=self.num_active, num_reductions=self.num_reductions, watch=self.watch,
-            changes=self.changes, nonfinite_here=self._local_nonfinite,
+            changes=self.changes,
             compare_windows=not self.reduction.counts_items,  # see tags.find_desync
             find_unused_parameters=self.options.tolerates_unused,
         )  # fmt: skip
@@ -459,7 +459,6 @@ class Reducer:
         self.next_bucket = 0
         self.used = [False] * len(self.params)
         self.reduction.reset()
-        self._local_nonfinite = []
         self.num_active, self.by_world = self.world_size, False
         self.window_forwards = self.window_no_sync = 0
         self.phase = _Phase.UNPREPARED

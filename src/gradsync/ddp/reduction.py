@@ -50,6 +50,10 @@ class Reduction:
         self.declared = False  # count_items() was called in this window (0 items is legal)
         # The item exchange's buffer; float64 so counts stay exact far beyond 2**24.
         self.total_items = torch.zeros(1, dtype=torch.float64, device=device)
+        # Counts given as tensors, added up where they are: reading one on the host would
+        # wait for the GPU at every micro-batch (see [Note: counts as tensors]).
+        self.device_items = torch.zeros(1, dtype=torch.float64, device=device)
+        self.tensor_counted = False
         self.exchange: Handle | None = None
 
     @property
@@ -68,18 +72,33 @@ class Reduction:
             factor /= num_active
         return None if factor == 1.0 else factor
 
-    def count_items(self, num_items: float) -> None:
+    # [Note: counts as tensors]
+    # The natural count of a micro-batch is a tensor on the GPU, e.g. (labels != -100).sum().
+    # Converting it with float() waits for the GPU to finish everything queued so far, at every
+    # micro-batch, and stalls the pipeline. A tensor count is added to a device accumulator
+    # instead, which joins the item exchange's buffer without a host read; the values are
+    # checked in the total, which the step's readout reads anyway (one read per step), on every
+    # rank alike. A negative count on one rank can hide behind the others' there, where a
+    # Python number is refused at once: pass numbers where the count is on the host already.
+    def count_items(self, num_items: float | torch.Tensor) -> None:
         """Add ``num_items`` to this rank's count for the current window."""
         if not self.counts_items:
             raise UsageError(
                 f"count_items() needs reduction='item_mean' (this wrapper has "
                 f"reduction={self.name!r})"
             )
+        self.declared = True
+        if isinstance(num_items, torch.Tensor):
+            if num_items.numel() != 1 or num_items.is_complex():
+                raise UsageError(f"count_items() needs one number, got a tensor {num_items}")
+            count = num_items.detach().reshape(1).to(self.device_items, non_blocking=True)
+            self.device_items.add_(count)  # checked in the total (see the note above)
+            self.tensor_counted = True
+            return
         value = float(num_items)
         if not math.isfinite(value) or value < 0:
             raise UsageError(f"count_items() needs a finite count >= 0, got {num_items}")
         self.local_items += value
-        self.declared = True
 
     @property
     def missing_count(self) -> bool:
@@ -92,12 +111,20 @@ class Reduction:
         joined takes part with zero items). Issued before the first bucket on every rank."""
         if self.counts_items:
             self.total_items.fill_(self.local_items if contributes else 0.0)
+            if contributes and self.tensor_counted:
+                self.total_items.add_(self.device_items)
             self.exchange = dist.all_reduce(self.total_items, group=self.group, async_op=True)
 
     def post_divide(self, grads: list[torch.Tensor], total_items: float) -> None:
         """Divide the summed gradients by the global item count (``item_mean`` only)."""
         if not self.counts_items:
             return
+        if not math.isfinite(total_items) or total_items < 0:
+            # A count given as a tensor is checked here, in the total every rank reads alike.
+            raise UsageError(
+                f"count_items() was given a negative or non-finite count on some rank: the "
+                f"window's total is {total_items}; counts must be finite and >= 0"
+            )
         if total_items <= 0:
             # Every rank read the same total, so every rank raises here.
             raise UsageError(
@@ -111,3 +138,6 @@ class Reduction:
         self.local_items = 0.0
         self.declared = False
         self.exchange = None
+        if self.tensor_counted:
+            self.device_items.zero_()
+            self.tensor_counted = False

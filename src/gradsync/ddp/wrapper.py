@@ -312,7 +312,7 @@ class DistributedDataParallel(TorchSurface, TorchDDP):  # type: ignore[override]
         what = f"the broadcast of rank {src}'s buffers before a training forward"
         self._deadline.broadcast(self._buffers_to_sync, src, what)
 
-    def count_items(self, num_items: float) -> None:
+    def count_items(self, num_items: float | torch.Tensor) -> None:
         """Declare how many items (samples, valid tokens) this micro-batch's summed loss covers:
         with ``reduction="item_mean"`` the gradient is divided by the total over every rank and
         micro-batch of the step, the exact mean over items (one small all-reduce per step)."""

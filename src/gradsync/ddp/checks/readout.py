@@ -4,7 +4,9 @@ copy.
 The used counts ([Note: used flags] in ``reducer.py``), every rank's step tag ([Note: step
 tags] in ``tags.py``), the finite flag of each bucket (``check_finite``) and the global item
 count (``item_mean``) are concatenated and read in one ``tolist()``: on CUDA each read is a sync
-point, so there is one per step, not one per bucket (hundreds with ``bucket_cap_mb=0``).
+point, so there is one per step, not one per bucket (hundreds with ``bucket_cap_mb=0``). With
+``check_finite`` the per-parameter flags each rank noted before the sum ride along, so naming
+the parameters that held NaN/Inf costs no read of its own either.
 
 With one rank there is nobody to hear from: the "sums" are what this rank wrote, the used flags
 from its own hooks and its own step tag, and the host already holds both. Then nothing is read
@@ -31,6 +33,7 @@ class StepReadout(NamedTuple):
 
     counts: list[list[float]]  # per bucket, per parameter: on how many ranks it was used
     finite: list[float] | None  # per bucket: no NaN/Inf after the sum (check_finite only)
+    local_finite: list[list[float]] | None  # per bucket and slot, on this rank before the sum
     total_items: float  # the window's items over every rank (item_mean only)
     tags: list[StepTag | None] | None  # every rank's step tag (None: no buckets)
 
@@ -64,6 +67,7 @@ def _read(buckets: Sequence[Bucket], check_finite: bool, reduction: Reduction) -
         parts.append(buckets[0].tags)
     if check_finite and buckets:
         parts.append(torch.stack([torch.isfinite(b.grads).all() for b in buckets]))
+        parts.extend(b.local_finite for b in buckets if b.local_finite is not None)
     if reduction.counts_items:
         parts.append(reduction.total_items)
     return torch.cat([p.to(torch.float64) for p in parts]).tolist() if parts else []
@@ -85,9 +89,13 @@ def _parse(
         num_tags = buckets[0].tags.numel()
         tags = decode(flat[start : start + num_tags], world_size)
         start += num_tags
-    finite = None
+    finite, local_finite = None, None
     if check_finite:
         finite = flat[start : start + len(buckets)]
         start += len(buckets)
+        local_finite = []
+        for bucket in buckets:  # every bucket was flagged when it launched
+            local_finite.append(flat[start : start + len(bucket.params)])
+            start += len(bucket.params)
     total_items = flat[start] if reduction.counts_items else 0.0
-    return StepReadout(counts, finite, total_items, tags)
+    return StepReadout(counts, finite, local_finite, total_items, tags)

@@ -12,9 +12,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import torch
-
-from gradsync.ddp.buckets import Bucket
 from gradsync.ddp.checks.diagnostics import check_replicas
 from gradsync.ddp.checks.param_watch import ParameterWatch
 from gradsync.ddp.checks.readout import StepReadout
@@ -37,13 +34,15 @@ from gradsync.errors import (
 from gradsync.failfast.deadline import Deadline
 
 
-def nonfinite_params(bucket: Bucket, names: Sequence[str]) -> list[str]:
-    """The parameters of ``bucket`` whose local gradient holds NaN or Inf, before the sum mixes
-    them (opt-in ``check_finite``: one device-to-host read per bucket)."""
-    finite = torch.stack([torch.isfinite(v).all() for v in bucket.views]).tolist()
+def nonfinite_params(
+    specs: Sequence[BucketSpec], local_finite: Sequence[Sequence[float]], names: Sequence[str]
+) -> list[str]:
+    """The parameters whose local gradient held NaN or Inf before the sum mixed them
+    (``local_finite``: per bucket and slot, from the step's readout; opt-in ``check_finite``)."""
     return [
-        f"{names[i]} (bucket {bucket.spec.index})"
-        for i, ok in zip(bucket.spec.param_indices, finite, strict=True)
+        f"{names[i]} (bucket {spec.index})"
+        for spec, flags in zip(specs, local_finite, strict=True)
+        for i, ok in zip(spec.param_indices, flags, strict=True)
         if not ok
     ]
 
@@ -66,7 +65,6 @@ class StepContext:
     num_reductions: int  # synchronised steps this rank completed before this one
     watch: ParameterWatch
     changes: Sequence[str]  # how this rank's parameter set differs from wrapping time
-    nonfinite_here: Sequence[str]  # parameters with NaN/Inf before the sum (check_finite)
     compare_windows: bool  # compare micro-batches per window (not with item_mean)
     find_unused_parameters: bool
 
@@ -78,7 +76,9 @@ def judge(readout: StepReadout, step: StepContext) -> None:
     if readout.tags is not None:
         check_tags(readout.tags, step)
     if readout.finite is not None and not all(readout.finite):
-        raise_nonfinite([b for b, ok in enumerate(readout.finite) if not ok], step)
+        assert readout.local_finite is not None  # read together (check_finite)
+        here = nonfinite_params(step.specs, readout.local_finite, step.names)
+        raise_nonfinite([b for b, ok in enumerate(readout.finite) if not ok], here, step)
     if not step.find_unused_parameters:
         raise_if_unused(readout.counts, step)
 
@@ -141,11 +141,12 @@ def raise_if_unused(counts: list[list[float]], step: StepContext) -> None:
     )
 
 
-def raise_nonfinite(bad_buckets: list[int], step: StepContext) -> None:
+def raise_nonfinite(bad_buckets: list[int], here: list[str], step: StepContext) -> None:
     """Raise :class:`NonFiniteGradientError` on every rank; NaN/Inf survive the sum, so every
-    rank sees the same ``bad_buckets`` and arrives here."""
+    rank sees the same ``bad_buckets`` and arrives here (``here``: this rank's parameters that
+    held NaN/Inf before the sum)."""
     deadline = step.deadline
-    lines = per_rank_lines(list(step.nonfinite_here), deadline, "the report of NaN/Inf gradients")
+    lines = per_rank_lines(here, deadline, "the report of NaN/Inf gradients")
     where = f"before communication they were in:\n{lines}" if lines else (
         "no rank had any before communication: the sum overflowed, or a value exceeded the "
         "wire format's range (fp16: +-65504)"
