@@ -452,6 +452,10 @@ class Reducer:
             assert bucket.work is not None
             what = f"the all-reduce of bucket {bucket.spec.index} ({step})"
             self.deadline.wait(bucket.work, what, host_deadline=self.host_deadline)
+        if not self.host_deadline and self.world_size > 1:  # before the readout's host read
+            done = torch.cuda.Event()
+            done.record()
+            self.deadline.wait_device(done, f"the gradient reduction of {step}")
 
     def _reset(self) -> None:
         for bucket in self.buckets:

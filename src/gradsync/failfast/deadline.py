@@ -39,6 +39,12 @@ class Handle(Protocol):
     def wait(self, timeout: timedelta | None = None) -> object: ...
 
 
+class DeviceEvent(Protocol):
+    """What :meth:`Deadline.wait_device` polls: a ``torch.cuda.Event``."""
+
+    def query(self) -> bool: ...
+
+
 _CULPRITS = (
     "A rank that does not arrive may be busy with rank-specific work (saving, evaluating on "
     "rank 0 only), blocked in a collective the others do not issue (e.g. a logging all_reduce "
@@ -172,6 +178,27 @@ class Deadline:
         except RuntimeError as exc:
             self._fail(what, exc, time.monotonic() - start)
         self._recent.append(handle)
+
+    def wait_device(self, done: DeviceEvent, what: str) -> None:
+        """Wait until the GPU has passed ``done`` (a CUDA event recorded after ``what``'s
+        kernels), under the deadline: raise :class:`CollectiveTimeoutError` naming who is
+        missing if it has not within the timeout.
+
+        [Note: a deadline for NCCL]
+        NCCL waits only make a stream wait, so a rank that never joins a collective leaves the
+        others' GPUs waiting and their hosts blocked at the next read of a device value (the
+        step's readout), until torch's NCCL watchdog tears the process down minutes later
+        without naming anybody. Polling an event recorded after the step's collectives, before
+        that read, keeps the host in control: the host would wait for the GPU there anyway, so
+        the poll costs CPU, not time (a yield between queries for the first milliseconds, then
+        a short sleep)."""
+        start = time.monotonic()
+        limit = self.timeout.total_seconds()
+        while not done.query():
+            waited = time.monotonic() - start
+            if waited > limit:
+                self._fail(what, TimeoutError("the GPU did not get past it"), waited)
+            time.sleep(0 if waited < 0.005 else 0.0002)
 
     def _fail(self, what: str, exc: BaseException, waited: float) -> None:
         cause = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
