@@ -4,6 +4,16 @@ The ring and hierarchical algorithms are built from point-to-point sends; runnin
 worker thread per algorithm instance is what makes them asynchronous (``all_reduce`` returns a
 handle at once, as ``dist.all_reduce(async_op=True)`` does) while keeping the messages of
 successive all-reduces from interleaving.
+
+[Note: the caller's stream]
+CUDA's current stream (and current device) is per thread, and a fresh thread's is the default
+stream of device 0. A job that ran there would neither wait for the kernels the caller queued
+before submitting it (the copy of gradients into the bucket, queued on the backward's stream)
+nor make the caller's later kernels wait for it, and it might run on another GPU. So each job
+runs under the stream that was current in the submitting thread: its kernels queue behind the
+caller's, and whatever the caller queues after waiting for the job comes after them, as with
+torch's comm hooks, whose futures the caller's stream waits on. A job handed on from one
+worker to another keeps the stream, since it is current in the first worker's thread.
 """
 
 from __future__ import annotations
@@ -12,7 +22,11 @@ import queue
 import threading
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 from datetime import timedelta
+from typing import Any
+
+import torch
 
 
 class AsyncHandle:
@@ -73,7 +87,7 @@ class SerialWorker:
 
     def __init__(self, name: str) -> None:
         self._name = name
-        self._queue: queue.SimpleQueue[tuple[Callable[[], None], AsyncHandle] | None] = (
+        self._queue: queue.SimpleQueue[tuple[Callable[[], None], AsyncHandle, Any] | None] = (
             queue.SimpleQueue()
         )
         self._thread: threading.Thread | None = None
@@ -86,7 +100,7 @@ class SerialWorker:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
                 self._thread.start()
-            self._queue.put((job, handle))
+            self._queue.put((job, handle, _current_stream()))
         return handle
 
     def close(self) -> None:
@@ -103,16 +117,25 @@ class SerialWorker:
             item = self._queue.get()
             if item is None:
                 return
-            job, handle = item
+            job, handle, stream = item
             if self._failure is not None:
                 err = RuntimeError(f"{self._name}: an earlier all-reduce failed")
                 err.__cause__ = self._failure
                 handle._finish(err)
                 continue
             try:
-                job()
+                with nullcontext() if stream is None else torch.cuda.stream(stream):
+                    job()
             except BaseException as exc:  # handed to wait(), which re-raises it in the caller
                 self._failure = exc
                 handle._finish(exc)
             else:
                 handle._finish(None)
+
+
+def _current_stream() -> Any:
+    """This thread's current CUDA stream, ``None`` where CUDA is not in use (see [Note: the
+    caller's stream])."""
+    if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+        return None
+    return torch.cuda.current_stream()
