@@ -144,8 +144,13 @@ class ShardedSteps:
         with the parameters in place)."""
         pending, self._in_flight = self._in_flight, []
         for index, work in enumerate(pending):
-            if work is not None:
-                self.deadline.wait(work, f"the all-gather of bucket {index}'s parameters")
+            if work is None:
+                continue
+            # On NCCL the stream waits, not the host (a wait with a timeout would hold the host
+            # until the GPU is done); the next step's readout is under the deadline instead
+            # (see [Note: a deadline for NCCL] in deadline.py).
+            what = f"the all-gather of bucket {index}'s parameters"
+            self.deadline.wait(work, what, host_deadline=not self.gather.native)
 
     def updates(self) -> int:
         """Optimizer steps taken: the same on every rank (for the step tags)."""
