@@ -7,13 +7,17 @@ successive all-reduces from interleaving.
 
 [Note: the caller's stream]
 CUDA's current stream (and current device) is per thread, and a fresh thread's is the default
-stream of device 0. A job that ran there would neither wait for the kernels the caller queued
-before submitting it (the copy of gradients into the bucket, queued on the backward's stream)
-nor make the caller's later kernels wait for it, and it might run on another GPU. So each job
-runs under the stream that was current in the submitting thread: its kernels queue behind the
-caller's, and whatever the caller queues after waiting for the job comes after them, as with
-torch's comm hooks, whose futures the caller's stream waits on. A job handed on from one
-worker to another keeps the stream, since it is current in the first worker's thread.
+stream of device 0. A job that simply ran there would neither wait for the kernels the caller
+queued before submitting it (the copy of gradients into the bucket, on the backward's stream)
+nor make the caller's later kernels wait for it, and it might run on another GPU. A job that ran
+on the caller's stream itself would be ordered, but a blocking collective in it makes that
+stream wait for the wire, so the rest of the backward, queued on the same stream, would wait
+too: no overlap. So each worker has a side stream on the caller's device, as torch's NCCL
+process group has its own: at submission an event on the caller's stream marks what the job
+must wait for, the side stream waits for it, the job runs there, and an event recorded after it
+is what ``wait()`` makes the caller's stream wait for, as torch makes it wait on a comm hook's
+future. A job handed on from one worker to another is submitted from the first worker's thread,
+where the side stream is current: the second half queues behind the first.
 """
 
 from __future__ import annotations
@@ -22,7 +26,6 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from contextlib import nullcontext
 from datetime import timedelta
 from typing import Any
 
@@ -35,9 +38,10 @@ class AsyncHandle:
     def __init__(self) -> None:
         self._done = threading.Event()
         self._error: BaseException | None = None
+        self._after: Any = None  # CUDA: an event recorded after the job's kernels
 
-    def _finish(self, error: BaseException | None) -> None:
-        self._error = error
+    def _finish(self, error: BaseException | None, after: Any = None) -> None:
+        self._error, self._after = error, after
         self._done.set()
 
     def is_completed(self) -> bool:
@@ -51,6 +55,8 @@ class AsyncHandle:
             raise RuntimeError(f"all-reduce did not complete within {timeout}")
         if self._error is not None:
             raise self._error
+        if self._after is not None:  # the waiting thread's stream waits for the job's kernels
+            torch.cuda.current_stream().wait_event(self._after)
         return True
 
 
@@ -93,6 +99,7 @@ class SerialWorker:
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
         self._failure: BaseException | None = None
+        self._side: dict[Any, Any] = {}  # CUDA device -> this worker's stream there
 
     def submit(self, job: Callable[[], None]) -> AsyncHandle:
         handle = AsyncHandle()
@@ -100,7 +107,7 @@ class SerialWorker:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
                 self._thread.start()
-            self._queue.put((job, handle, _current_stream()))
+            self._queue.put((job, handle, _mark_callers_stream()))
         return handle
 
     def close(self) -> None:
@@ -117,25 +124,43 @@ class SerialWorker:
             item = self._queue.get()
             if item is None:
                 return
-            job, handle, stream = item
+            job, handle, ready = item
             if self._failure is not None:
                 err = RuntimeError(f"{self._name}: an earlier all-reduce failed")
                 err.__cause__ = self._failure
                 handle._finish(err)
                 continue
             try:
-                with nullcontext() if stream is None else torch.cuda.stream(stream):
+                after = None
+                if ready is None:
                     job()
+                else:
+                    after = self._run_on_side_stream(job, *ready)
             except BaseException as exc:  # handed to wait(), which re-raises it in the caller
                 self._failure = exc
                 handle._finish(exc)
             else:
-                handle._finish(None)
+                handle._finish(None, after)
+
+    def _run_on_side_stream(self, job: Callable[[], None], ready: Any, device: Any) -> Any:
+        """Run ``job`` on this worker's stream on ``device`` after the caller's ``ready``
+        event; return an event recorded after its kernels (see [Note: the caller's stream])."""
+        side = self._side.get(device)
+        if side is None:
+            side = self._side[device] = torch.cuda.Stream(device=device)
+        with torch.cuda.stream(side):
+            side.wait_event(ready)
+            job()
+            after = torch.cuda.Event()
+            after.record(side)
+        return after
 
 
-def _current_stream() -> Any:
-    """This thread's current CUDA stream, ``None`` where CUDA is not in use (see [Note: the
-    caller's stream])."""
+def _mark_callers_stream() -> tuple[Any, Any] | None:
+    """An event recorded now on this thread's current CUDA stream, and that stream's device;
+    ``None`` where CUDA is not in use (see [Note: the caller's stream])."""
     if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
         return None
-    return torch.cuda.current_stream()
+    stream, ready = torch.cuda.current_stream(), torch.cuda.Event()
+    ready.record(stream)
+    return ready, stream.device
