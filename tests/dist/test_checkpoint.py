@@ -31,6 +31,11 @@ class Holder(nn.Module):
         self.module = nn.Linear(3, 2)
 
 
+def _listed(folder: Path) -> list[str]:
+    """The checkpoint folder's entries, but the lock file of the job using it (owner.py)."""
+    return sorted(p.name for p in folder.iterdir() if p.name != ".gradsync-owner")
+
+
 def _prefixes(rank: int, world: int, folder: str) -> dict:
     torch.manual_seed(rank)
     ddp = gradsync.DistributedDataParallel(Holder())
@@ -146,7 +151,7 @@ def _resume_equals_never_stopping(rank: int, world: int, root: Path) -> dict:
     job.train(7)
     reference = job.tensors()
     job.ckpt.save(7)
-    out["kept"] = sorted(p.name for p in (root / "run").iterdir())  # keep=2: step 2 is gone
+    out["kept"] = _listed(root / "run")  # keep=2: step 2 is gone
     # A new job (as after a restart) resumes from the newest checkpoint and finishes the same.
     again = Job(rank, world, str(root / "run"))
     out["resumed_at"] = again.ckpt.load(root / "run" / "step_00000004")
@@ -210,7 +215,7 @@ def _corrupted_checkpoints(rank: int, world: int, root: Path) -> dict:
         warnings.simplefilter("always")
         Job(rank, world, str(folder))
     out["partial_warned"] = [str(w.message) for w in caught]
-    out["after_restart"] = sorted(p.name for p in folder.iterdir())
+    out["after_restart"] = _listed(folder)
     return out
 
 
@@ -228,7 +233,7 @@ def _refusals(rank: int, world: int, root: Path) -> dict:
     with job.ddp.no_sync():
         F.cross_entropy(job.ddp(x), y).backward()
     out["mid_window"] = _error(lambda: job.ckpt.save(2))
-    out["saved"] = sorted(p.name for p in (root / "d").iterdir())
+    out["saved"] = _listed(root / "d")
     return out
 
 

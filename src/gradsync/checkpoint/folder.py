@@ -4,6 +4,7 @@
       step_00000040/            committed: DCP's files plus manifest.json
         .metadata  __0_0.distcp  __1_0.distcp  manifest.json
       .step_00000050.partial/   a save in progress, or one killed mid-write
+      .gradsync-owner           locked by the job using the folder (owner.py)
 
 Every rank writes its DCP file into ``.step_N.partial``; then the ranks hash what was written,
 rank 0 writes ``manifest.json`` (each file's size and SHA-256, the step, the world size) and

@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import threading
 import warnings
+import weakref
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
+from gradsync.checkpoint import owner
 from gradsync.checkpoint.dcp_safe import SafeFileSystemReader, SafeLoadPlanner
 from gradsync.checkpoint.folder import (
     CheckpointFolder,
@@ -79,6 +81,7 @@ class Checkpointer:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._staging: Any = None  # the last async snapshot, refilled by the next one
+        self._claim_folder()
         if self.rank == 0:
             for path in self.folder.remove_partials():
                 warnings.warn(
@@ -87,6 +90,23 @@ class Checkpointer:
                     stacklevel=2,
                 )
         dist.barrier(group=self._group)
+
+    def _claim_folder(self) -> None:
+        """Rank 0 takes the folder for this job; a folder another job holds is refused on
+        every rank, before anything is written or removed (see [Note: a folder belongs to one
+        job] in ``owner.py``). The claim ends with this checkpointer."""
+        problem = None
+        if self.rank == 0:
+            self.folder.root.mkdir(parents=True, exist_ok=True)
+            try:
+                lock = owner.claim(self.folder.root)
+                weakref.finalize(self, owner.release, lock)
+            except CheckpointError as exc:
+                problem = str(exc).removeprefix("gradsync: ")
+        verdict = [problem]
+        dist.broadcast_object_list(verdict, src=0, group=self._group)
+        if verdict[0] is not None:
+            raise CheckpointError(verdict[0])
 
     # -- saving ---------------------------------------------------------------------------
     def save(self, step: int) -> Path:
