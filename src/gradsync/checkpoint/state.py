@@ -8,6 +8,19 @@ optimizer     torch.distributed.checkpoint.state_dict's optimizer state, keyed b
 lr_scheduler  the scheduler's state_dict
 gradsync      the wrapper's sync_state_dict(): step counter, last replica check
 rank.<r>      what belongs to rank r alone: its RNG states and its sampler position
+
+[Note: resuming at another world size]
+A checkpoint saved by N ranks loads into N' ranks when nothing in it belongs to one rank of
+the N: the model, the optimizer (a sharded optimizer's slices are DCP shards of whole tensors,
+which DCP cuts anew for N'), the LR schedule and gradsync's step counter are the job's, and a
+sampler whose position is the global step (``gradsync.data``'s ``world_size_independent``
+samplers) is the same on every rank, so rank 0's is loaded everywhere. What cannot follow is
+refused before anything is loaded: compression state (PowerSGD's error feedback and matrices
+are each rank's own) and a per-rank sampler position (``DistributedSampler``: rank r's share
+of an epoch depends on N). Each rank's RNG states are not restored: random numbers drawn per
+rank (dropout) cannot follow the samples to other ranks, so a model that draws them continues
+differently from an uninterrupted run (the load warns); data randomness derived per sample
+does follow.
 """
 
 from __future__ import annotations
@@ -29,6 +42,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from gradsync.checkpoint.rng import get_rng_state, set_rng_state
 from gradsync.ddp.wrapper import DistributedDataParallel
+from gradsync.errors import CheckpointError
 from gradsync.optim.master import MasterWeights
 from gradsync.optim.sharded import ShardedOptimizer
 from gradsync.optim.state import StateShard
@@ -48,9 +62,12 @@ class TrainingObjects:
         model = self.model
         return model.module if isinstance(model, DistributedDataParallel) else model
 
-    def state_dict(self, rank: int, saved_keys: Iterable[str] | None = None) -> dict[str, Any]:
+    def state_dict(
+        self, rank: int, saved_keys: Iterable[str] | None = None, resized: bool = False
+    ) -> dict[str, Any]:
         """The state to save (live tensors: :func:`snapshot` copies them), or with the
-        ``saved_keys`` of a checkpoint, the template to load it into."""
+        ``saved_keys`` of a checkpoint, the template to load it into; ``resized``: a template
+        for a checkpoint of another world size (see [Note: resuming at another world size])."""
         state: dict[str, Any] = {"model": self.model.state_dict()}  # a wrapper's: keys of
         # the module's own, after a sharded optimizer's parameter all-gathers
         if isinstance(self.optimizer, ShardedOptimizer):  # each rank its slices (resharding)
@@ -61,6 +78,10 @@ class TrainingObjects:
             state["lr_scheduler"] = self.lr_scheduler.state_dict()
         if isinstance(self.model, DistributedDataParallel):
             state["gradsync"] = self.model.sync_state_dict()
+        if resized:  # rank 0's sampler position, which is every rank's; no RNG states
+            if self.sampler is not None:
+                state["rank"] = {"0": {"sampler": self.sampler.state_dict()}}
+            return state
         mine: dict[str, Any] = {"rng": get_rng_state()}
         if self.sampler is not None:
             mine["sampler"] = self.sampler.state_dict()
@@ -100,7 +121,9 @@ class TrainingObjects:
         names = {id(p): name for name, p in self.module.named_parameters()}
         return [names[id(p)] for p in self.optimizer.params]
 
-    def load_state_dict(self, state: dict[str, Any], rank: int, where: str) -> None:
+    def load_state_dict(
+        self, state: dict[str, Any], rank: int, where: str, resized: bool = False
+    ) -> None:
         """Put a loaded state back, RNG last (see ``DistributedSampler.call_on_resume``)."""
         self.model.load_state_dict(state["model"])
         if isinstance(self.optimizer, ShardedOptimizer):  # DCP loaded into its live slices
@@ -113,6 +136,10 @@ class TrainingObjects:
             self.lr_scheduler.load_state_dict(state["lr_scheduler"])
         if isinstance(self.model, DistributedDataParallel):
             self.model.load_sync_state_dict(state["gradsync"])
+        if resized:
+            if self.sampler is not None:
+                self.sampler.load_state_dict(state["rank"]["0"]["sampler"])
+            return
         mine = state["rank"][str(rank)]
         rng = mine["rng"]
         if self.sampler is not None:
@@ -182,3 +209,28 @@ def _extra(key: str, flat: dict[str, Any]) -> bool:
     if key in flat or (key.startswith("gradsync.comm.") and _OTHER_RANKS.search(key)):
         return False
     return key.startswith(("model.", "gradsync.comm."))
+
+
+def refuse_resize(
+    path: Any, saved_world: int, world: int, metadata: Metadata, sampler: Any
+) -> None:
+    """Raise ``CheckpointError`` (on every rank alike) if checkpoint ``path``, saved by
+    ``saved_world`` ranks, holds state that cannot move to ``world`` ranks."""
+    why = []
+    if any(k.startswith("gradsync.comm.") for k in metadata.state_dict_metadata):
+        why.append(
+            "it holds compression state (PowerSGD's error feedback and matrices), which is "
+            "each rank's own"
+        )
+    if sampler is not None and not getattr(sampler, "world_size_independent", False):
+        why.append(
+            f"the sampler ({type(sampler).__name__}) keeps a position per rank, and each rank's "
+            "share of an epoch depends on the world size: use gradsync.data.GlobalBatchSampler, "
+            "whose position is the global step"
+        )
+    if why:
+        raise CheckpointError(
+            f"{path} was saved by {saved_world} ranks and cannot continue on {world}: "
+            + "; ".join(why)
+            + f". Resume with {saved_world} ranks; nothing was loaded"
+        )

@@ -36,7 +36,7 @@ from gradsync.checkpoint.folder import (
     read_manifest,
 )
 from gradsync.checkpoint.loadable import check_loadable
-from gradsync.checkpoint.state import TrainingObjects, mismatches, snapshot
+from gradsync.checkpoint.state import TrainingObjects, mismatches, refuse_resize, snapshot
 from gradsync.errors import CheckpointError, ProtocolError, UsageError
 from gradsync.failfast.deadline import as_timedelta
 from gradsync.failfast.group import private_group
@@ -236,16 +236,14 @@ class Checkpointer:
 
     def _load(self, path: Path) -> int:
         manifest = read_manifest(path)
-        if manifest["world_size"] != self.world_size:
-            raise CheckpointError(
-                f"{path} was saved by {manifest['world_size']} ranks, this job has "
-                f"{self.world_size}: each rank's RNG streams and data position belong to one "
-                "rank of the saving job, so training could not continue exactly; restart with "
-                f"{manifest['world_size']} ranks"
-            )
+        saved_world, step = int(manifest["world_size"]), int(manifest["step"])
+        resized = saved_world != self.world_size
         reader = SafeFileSystemReader(str(path))
         metadata = reader.read_metadata()
-        template = self.objects.state_dict(self.rank, metadata.state_dict_metadata)
+        if resized:  # see [Note: resuming at another world size] in state.py
+            refuse_resize(path, saved_world, self.world_size, metadata, self.objects.sampler)
+        saved_keys = metadata.state_dict_metadata
+        template = self.objects.state_dict(self.rank, saved_keys, resized=resized)
         problems = mismatches(template, metadata)
         gathered: list[list[str]] = [[] for _ in range(self.world_size)]
         dist.all_gather_object(gathered, problems, group=self._group)
@@ -258,5 +256,12 @@ class Checkpointer:
         dcp.load(
             template, storage_reader=reader, planner=SafeLoadPlanner(), process_group=self._group
         )
-        self.objects.load_state_dict(template, self.rank, str(path))
-        return int(manifest["step"])
+        self.objects.load_state_dict(template, self.rank, str(path), resized=resized)
+        if resized and self.rank == 0:
+            warnings.warn(
+                f"gradsync: the world size changed from {saved_world} to {self.world_size} at "
+                f"step {step} ({path}); random numbers drawn per rank (dropout) do not follow "
+                "the samples to other ranks, so only a model that draws none continues exactly",
+                stacklevel=3,
+            )
+        return step
