@@ -11,9 +11,21 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q -e '.[dev]'
 	touch $@
 
-.PHONY: train train-3d test lint docs
+.PHONY: train train-resize train-3d test lint docs
 train: $(VENV)/.installed
 	$(VENV)/bin/torchrun --standalone --nproc-per-node $(NPROC) examples/train_gpt.py
+
+# The world size changes mid-run: 3 ranks train to step 20 and stop (a node lost), 2 ranks
+# resume from the checkpoint; the end is checked against 1 process, as in `make train`.
+# RESIZE_ARGS="--dtype float32" runs it in float32.
+RESIZE_OUT := runs/gpt-resize
+RESIZE_ARGS ?=
+train-resize: $(VENV)/.installed
+	rm -rf $(RESIZE_OUT)
+	$(VENV)/bin/torchrun --standalone --nproc-per-node 3 examples/train_gpt.py --global-batches \
+		--out $(RESIZE_OUT) --max-steps 40 --save-every 10 --stop-at 20 $(RESIZE_ARGS)
+	$(VENV)/bin/torchrun --standalone --nproc-per-node 2 examples/train_gpt.py --global-batches \
+		--out $(RESIZE_OUT) --max-steps 40 --save-every 10 $(RESIZE_ARGS)
 
 # The same GPT on 8 ranks: data x context x tensor parallel (dp2 x cp2 x tp2).
 train-3d: $(VENV)/.installed

@@ -24,6 +24,11 @@ Every ``--save-every`` steps all ranks save the whole training state (model, opt
 position, RNG states) to ``OUT/checkpoints/step_N``; a restarted job (by ``torchrun
 --max-restarts``, or by hand) resumes from the newest complete one and ends bit-identical to a
 run that never stopped.
+
+With ``--global-batches`` every step is the same global batch at any world size
+(``gradsync.data.GlobalBatchSampler``, ``reduction="item_mean"``), so a checkpoint continues on
+another number of ranks: ``make train-resize`` trains to ``--stop-at`` on 3 ranks, as if a node
+were then lost, resumes on 2, and checks the end against one process as usual.
 """
 
 from __future__ import annotations
@@ -44,7 +49,7 @@ from tqdm import tqdm
 
 import gradsync
 from gradsync.checkpoint import Checkpointer, load_checkpoint, save_checkpoint
-from gradsync.data import DistributedSampler
+from gradsync.data import DistributedSampler, GlobalBatchSampler
 from gradsync.ddp.plan import parse_cap
 from gradsync.testing.corpus import CharDataset, generate_corpus
 from gradsync.testing.gpt import GPT, GPTConfig, lm_loss
@@ -104,6 +109,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--powersgd-start-iter", type=int, default=0, help="exact steps before PowerSGD starts"
     )
+    p.add_argument(
+        "--global-batches",
+        action="store_true",
+        help="gradsync.data.GlobalBatchSampler: every step is the same global batch whatever\n"
+        "the world size (any N, not only divisors of --global-batch; reduction='item_mean'),\n"
+        "so a checkpoint continues on another number of ranks (see --stop-at)",
+    )
+    p.add_argument(
+        "--stop-at", type=int, default=0, help="save at this step and exit, as a lost node would"
+    )
     p.add_argument("--tolerance", type=float, default=None, help="PASS threshold")
     p.add_argument("--no-reference", action="store_true", help="skip the 1-process comparison")
     p.add_argument("--timeout-s", type=float, default=120.0, help="process-group timeout")
@@ -154,6 +169,14 @@ def clip(params, args: argparse.Namespace) -> None:  # type: ignore[no-untyped-d
 def global_batches(dataset: CharDataset, world: int, per_rank: int, args: argparse.Namespace):  # type: ignore[no-untyped-def]
     """The sample indices of every global batch, rebuilt from every rank's sampler."""
     epochs, max_steps = args.epochs, args.max_steps
+    if args.global_batches:  # the same at any world size: one "rank" takes each whole
+        one = GlobalBatchSampler(dataset, args.global_batch, num_replicas=1, rank=0,
+                                 seed=args.seed, drop_last=True)  # fmt: skip
+        steps = []
+        for epoch in range(epochs):
+            one.set_epoch(epoch)
+            steps += list(one)
+        return steps[:max_steps] if max_steps else steps
     samplers = [
         DistributedSampler(dataset, world, r, shuffle=True, seed=args.seed, drop_last=True)
         for r in range(world)
@@ -214,19 +237,26 @@ def main(argv: list[str] | None = None) -> int:
         store = os.path.join(tempfile.mkdtemp(), "store")
         dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
     rank, world = dist.get_rank(), dist.get_world_size()
-    if args.global_batch % world:
+    if args.global_batch % world and not args.global_batches:
         raise ValueError(
-            f"--global-batch {args.global_batch} is not divisible by world size {world}"
+            f"--global-batch {args.global_batch} is not divisible by world size {world} "
+            "(--global-batches takes any world size)"
         )
     per_rank = args.global_batch // world
 
     dataset = CharDataset(generate_corpus(args.sentences), args.block_size)
-    sampler = DistributedSampler(dataset, world, rank, shuffle=True, seed=args.seed, drop_last=True)
-    loader = DataLoader(dataset, batch_size=per_rank, sampler=sampler, drop_last=True)
+    sampler: DistributedSampler | GlobalBatchSampler
+    if args.global_batches:  # this rank's share of each global batch, one micro-batch a step
+        sampler = GlobalBatchSampler(dataset, args.global_batch, seed=args.seed, drop_last=True)
+        loader = DataLoader(dataset, batch_sampler=sampler)
+    else:
+        sampler = DistributedSampler(dataset, world, rank, seed=args.seed, drop_last=True)
+        loader = DataLoader(dataset, batch_size=per_rank, sampler=sampler, drop_last=True)
     model = make_model(dataset.vocab_size, args.block_size, args.dtype, args.seed)
     ddp = gradsync.DistributedDataParallel(
-        model, bucket_cap_mb=args.bucket_cap_mb, compression=make_compression(args)
-    )
+        model, bucket_cap_mb=args.bucket_cap_mb, compression=make_compression(args),
+        reduction="item_mean" if args.global_batches else "mean",
+    )  # fmt: skip
     if args.compression == "torch-powersgd":  # torch's hook counts from 2 exact steps at least
         start = max(2, args.powersgd_start_iter)
         state = powerSGD.PowerSGDState(None, args.powersgd_rank, start_powerSGD_iter=start)
@@ -259,7 +289,11 @@ def main(argv: list[str] | None = None) -> int:
             set_lr(opt, args, step, total)
             opt.zero_grad()
             loss = lm_loss(ddp(x), y)
-            loss.backward()  # gradients are averaged over ranks by the time this returns
+            if args.global_batches:  # shares may differ: item_mean divides by the step's total
+                ddp.count_items(len(x))
+                (loss * len(x)).backward()
+            else:
+                loss.backward()  # gradients are averaged over ranks by the time this returns
             clip(ddp.parameters(), args)
             opt.step()
             step += 1
@@ -269,12 +303,19 @@ def main(argv: list[str] | None = None) -> int:
                 curve[step] = mean_loss.item() / world
                 bar.set_postfix(epoch=epoch, loss=f"{curve[step]:.3f}")
             bar.update()
-            if args.save_every and step % args.save_every == 0:
+            if args.save_every and step % args.save_every == 0 or step == args.stop_at:
                 (ckpt.async_save if args.async_save else ckpt.save)(step)
-        if step == total:
+            if step == args.stop_at:
+                break
+        if step in (total, args.stop_at):
             break
     ckpt.wait()  # an asynchronous save still being written
     bar.close()
+    if step == args.stop_at:  # as a lost node: the next job resumes, with any number of ranks
+        if rank == 0:
+            print(f"stopped at step {step} on {world} rank(s), checkpoint saved")
+        dist.destroy_process_group()
+        return 0
     elapsed = time.perf_counter() - t0
     if rank == 0:  # the trained model in one file, for use outside this job
         path = save_checkpoint(

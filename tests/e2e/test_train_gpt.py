@@ -83,3 +83,25 @@ def test_train_3d_matches_single_process(tmp_path: Path) -> None:
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out
     assert "dp1 x cp2 x tp2" in out and "PASS" in out, out
+
+
+@pytest.mark.timeout(240)
+def test_train_gpt_continues_on_fewer_ranks_and_still_matches(tmp_path: Path) -> None:
+    """`make train-resize` in small: 3 ranks stop at step 4 as if a node were lost, 2 resume
+    (32 sequences a step: 11/11/10, then 16/16) and end equal to one process."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", TMPDIR=str(tmp_path))
+    common = [
+        str(ROOT / "examples" / "train_gpt.py"), "--global-batches", "--max-steps", "8",
+        "--out", str(tmp_path / "run"), "--timeout-s", "60", "--save-every", "4",
+        "--eval-sequences", "64", "--sentences", "800",
+    ]  # fmt: skip
+    outputs = []
+    for world, extra in (("3", ["--stop-at", "4"]), ("2", [])):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               "--nproc-per-node", world, *common, *extra]  # fmt: skip
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=200)
+        outputs.append(proc.stdout + proc.stderr)
+        assert proc.returncode == 0, outputs[-1]
+    assert "stopped at step 4 on 3 rank(s)" in outputs[0], outputs[0]
+    assert "the world size changed from 3 to 2 at step 4" in outputs[1], outputs[1]
+    assert "resumed at step 4" in outputs[1] and "PASS" in outputs[1], outputs[1]
