@@ -39,12 +39,14 @@ import math
 import os
 import sys
 import time
+from collections.abc import Iterator
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powerSGD
-from torch.utils.data import DataLoader
+from torch.utils.data import BatchSampler, DataLoader
 from tqdm import tqdm
 
 import gradsync
@@ -86,9 +88,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--save-every", type=int, default=25, help="checkpoint every N steps (0: never)")
     p.add_argument("--keep", type=int, default=3, help="checkpoints to keep")
     p.add_argument("--async-save", action="store_true", help="write checkpoints in the background")
-    p.add_argument(
-        "--no-resume", action="store_true", help="start from step 0 even if OUT has checkpoints"
-    )
+    p.add_argument("--no-resume", action="store_true", help="start at step 0 despite checkpoints")
     p.add_argument(
         "--dtype",
         choices=["float64", "float32"],
@@ -122,10 +122,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tolerance", type=float, default=None, help="PASS threshold")
     p.add_argument("--no-reference", action="store_true", help="skip the 1-process comparison")
     p.add_argument("--timeout-s", type=float, default=120.0, help="process-group timeout")
-    p.add_argument(
-        "--losses-out", default=None, help="write the loss every 10 steps (mean over ranks), JSON"
-    )
+    p.add_argument("--losses-out", help="write the loss every 10 steps (mean over ranks), JSON")
+    p.add_argument("--log-samples", help="append each rank's sample indices per step (JSON lines)")
     return p.parse_args(argv)
+
+
+class LastBatch:
+    """A batch sampler that remembers the indices it last handed out (for ``--log-samples``)."""
+
+    def __init__(self, batches: Any) -> None:  # a batch sampler: __iter__ and __len__
+        self.batches, self.last = batches, []
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        for batch in self.batches:
+            self.last = list(batch)
+            yield batch
 
 
 def make_model(vocab_size: int, block_size: int, dtype: str, seed: int = 0) -> GPT:
@@ -204,8 +218,7 @@ def train_reference(
     opt = make_optimizer(model.parameters(), args.lr)
     batches = global_batches(dataset, world, per_rank, args)
     for step, indices in enumerate(tqdm(batches, desc="1-process reference", leave=False)):
-        x = torch.stack([dataset[i][0] for i in indices])
-        y = torch.stack([dataset[i][1] for i in indices])
+        x, y = (torch.stack(t) for t in zip(*[dataset[i] for i in indices], strict=True))
         set_lr(opt, args, step, len(batches))
         opt.zero_grad()
         loss = lm_loss(model(x), y)
@@ -248,10 +261,10 @@ def main(argv: list[str] | None = None) -> int:
     sampler: DistributedSampler | GlobalBatchSampler
     if args.global_batches:  # this rank's share of each global batch, one micro-batch a step
         sampler = GlobalBatchSampler(dataset, args.global_batch, seed=args.seed, drop_last=True)
-        loader = DataLoader(dataset, batch_sampler=sampler)
     else:
         sampler = DistributedSampler(dataset, world, rank, seed=args.seed, drop_last=True)
-        loader = DataLoader(dataset, batch_size=per_rank, sampler=sampler, drop_last=True)
+    batches = LastBatch(sampler if args.global_batches else BatchSampler(sampler, per_rank, True))
+    loader = DataLoader(dataset, batch_sampler=batches)  # in this process: batches.last is x's
     model = make_model(dataset.vocab_size, args.block_size, args.dtype, args.seed)
     ddp = gradsync.DistributedDataParallel(
         model, bucket_cap_mb=args.bucket_cap_mb, compression=make_compression(args),
@@ -267,18 +280,22 @@ def main(argv: list[str] | None = None) -> int:
         os.path.join(args.out, "checkpoints"), model=ddp, optimizer=opt, sampler=sampler,
         keep=args.keep, timeout=args.timeout_s,
     )  # fmt: skip
+    load_start = time.time()
     step = 0 if args.no_resume else (ckpt.load() or 0)  # the newest complete checkpoint
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))  # torchrun's restarts so far
+    times = dict(attempt=attempt, world=world, load_start=load_start, load_end=time.time())
+    log = open(args.log_samples, "a") if args.log_samples else None
     n_params = sum(p.numel() for p in model.parameters())
     if rank == 0:
         print(
             f"gradsync: {world} rank(s), {n_params / 1e6:.2f}M parameters, {ddp.num_buckets} "
             f"bucket(s), global batch {args.global_batch} x {args.block_size} tokens, "
-            f"{len(loader)} steps/epoch, compression {args.compression}"
+            f"{len(batches)} steps/epoch, compression {args.compression}"
             + (f"; resumed at step {step}" if step else "")
         )
 
     t0 = time.perf_counter()
-    total = args.epochs * len(loader) if not args.max_steps else args.max_steps
+    total = args.epochs * len(batches) if not args.max_steps else args.max_steps
     bar = tqdm(total=total, initial=step, desc="train", disable=rank != 0)
     curve: dict[int, float] = {}  # step -> loss (mean over ranks), every 10 steps
     for epoch in range(sampler.epoch, args.epochs):  # a resumed sampler knows its epoch
@@ -296,6 +313,9 @@ def main(argv: list[str] | None = None) -> int:
                 loss.backward()  # gradients are averaged over ranks by the time this returns
             clip(ddp.parameters(), args)
             opt.step()
+            if log:  # one flushed write per line: ranks sharing the file never mix lines
+                record = dict(step=step, rank=rank, indices=batches.last, time=time.time(), **times)
+                print(json.dumps(record), file=log, flush=True)
             step += 1
             if step % 10 == 0 or step == total:
                 mean_loss = loss.detach().clone()
@@ -317,14 +337,12 @@ def main(argv: list[str] | None = None) -> int:
         dist.destroy_process_group()
         return 0
     elapsed = time.perf_counter() - t0
+    status, final_loss = 0, float("nan")
     if rank == 0:  # the trained model in one file, for use outside this job
         path = save_checkpoint(
             {"model": ddp.state_dict(), "optimizer": opt.state_dict(), "step": step},
             os.path.join(args.out, "checkpoint.pt"),
         )
-
-    status, final_loss = 0, float("nan")
-    if rank == 0:
         print(f"trained {step} steps in {elapsed:.1f} s; checkpoint: {path}")
         final_loss = evaluate(model, dataset, args.eval_sequences)
         print(

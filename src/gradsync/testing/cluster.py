@@ -14,7 +14,7 @@ in :mod:`gradsync.testing.netns` refer to these numbers):
    :meth:`SimulatedCluster.launch` always runs under a hard timeout that kills what it started.
 2. c10d rendezvous needs extra flags on every node; :meth:`SimulatedCluster.torchrun_commands`
    uses the static rendezvous (``--master-addr``/``--master-port``), which works across
-   namespaces as is.
+   namespaces as is; :meth:`SimulatedCluster.elastic_torchrun_commands` adds those flags.
 3. torchrun exports ``OMP_NUM_THREADS`` only when ``--nproc-per-node > 1``;
    :meth:`SimulatedCluster.launch` always exports it (cores / total ranks unless the caller chose
    a value). Oversubscribed threads slowed a 2x2 step by 31 %.
@@ -33,7 +33,6 @@ in :mod:`gradsync.testing.netns` refer to these numbers):
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import signal
 import subprocess
@@ -42,7 +41,6 @@ import tempfile
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import IO
 
 from gradsync.errors import LaunchError
 from gradsync.testing.netns import SimulatedNetwork, kill_pids
@@ -196,6 +194,32 @@ class SimulatedCluster(SimulatedNetwork):
             for i in range(self.num_nodes)
         ]
 
+    def elastic_torchrun_commands(
+        self,
+        script_argv: Sequence[str],
+        nproc_per_node: int,
+        rdzv_conf: Mapping[str, object] | None = None,
+        *,
+        max_restarts: int = 3,
+        rdzv_port: int = 29400,
+    ) -> list[list[str]]:
+        """torchrun's elastic mode on every node (``--nnodes 1:K``, c10d rendezvous hosted on
+        node 0, 0.2 s monitor interval); start them with :meth:`start`.
+
+        Pitfall 2: each node names its address (``--local-addr``; else it advertises 127.0.0.1)
+        and whether it hosts the store (``is_host``; torch guesses from the hostname, the same in
+        every namespace). ``rdzv_conf`` adds settings, e.g. ``last_call_timeout`` (seconds).
+        """
+        conf = [f"{k}={v}" for k, v in (rdzv_conf or {}).items()]
+        return [
+            [sys.executable, "-m", "torch.distributed.run", "--nnodes", f"1:{self.num_nodes}"]
+            + ["--nproc-per-node", str(nproc_per_node), "--max-restarts", str(max_restarts)]
+            + ["--monitor-interval", "0.2", "--rdzv-backend", "c10d", "--rdzv-id", "gradsync"]
+            + ["--rdzv-endpoint", f"{self.address(0)}:{rdzv_port}", "--local-addr", self.address(i)]
+            + ["--rdzv-conf", ",".join([f"is_host={i == 0}", *conf]), *script_argv]
+            for i in range(self.num_nodes)
+        ]
+
     def launch(
         self,
         script_argv: Sequence[str],
@@ -225,80 +249,58 @@ class SimulatedCluster(SimulatedNetwork):
         With ``check=True`` a failure raises :class:`~gradsync.errors.LaunchError` instead of
         being returned.
         """
-        if self._tmpdir is None:
-            raise RuntimeError("the cluster is not active; use it as a context manager")
         cmds = self.torchrun_commands(script_argv, nproc_per_node, master_port, python=python)
-        out_dir = tempfile.mkdtemp(prefix="launch", dir=self._tmpdir)
-        threads = max(1, (os.cpu_count() or 1) // (self.num_nodes * nproc_per_node))
-        base_env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=str(threads))
-        procs: list[subprocess.Popen[bytes]] = []
-        starts: list[float] = []
-        with contextlib.ExitStack() as files:
-            try:
-                for i, cmd in enumerate(cmds):
-                    env = {**base_env, **self.env(i), **(extra_env or {})}
-                    out = files.enter_context(open(os.path.join(out_dir, f"node{i}.out"), "wb"))
-                    err = files.enter_context(open(os.path.join(out_dir, f"node{i}.err"), "wb"))
-                    starts.append(time.monotonic())
-                    procs.append(self._start(i, cmd, env, cwd, out, err))
-                ends, timed_out, killed = self._wait_all(
-                    procs, timeout_s, fail_grace_s, kill_grace_s
-                )
-            finally:
-                # Live processes here only after an exception (e.g. Ctrl-C): end them too.
-                live = [p for p in procs if p.poll() is None]
-                if live:
-                    self._terminate(live, 0.0)
-        results = [
-            self._node_result(i, cmd, p, out_dir, ends[i] - starts[i], timed_out, killed)
-            for i, (cmd, p) in enumerate(zip(cmds, procs, strict=True))
-        ]
+        procs, out_dir = self.start(cmds, nproc_per_node, extra_env, cwd=cwd)
+        starts = [time.monotonic()] * len(procs)
+        try:
+            ends, timed_out, killed = self._wait_all(procs, timeout_s, fail_grace_s, kill_grace_s)
+        finally:
+            # Live processes here only after an exception (e.g. Ctrl-C): end them too.
+            live = [p for p in procs if p.poll() is None]
+            if live:
+                self._terminate(live, 0.0)
+        results = []
+        for i, (cmd, p) in enumerate(zip(cmds, procs, strict=True)):
+            out, err = (_read_text(f"{out_dir}/node{i}.{ext}") for ext in ("out", "err"))
+            wall_s = ends[i] - starts[i]
+            r = NodeResult(i, self.nodes[i], self.exec_args(i, cmd), p.returncode, out, err, wall_s)
+            r.timed_out, r.killed = i in timed_out, i in killed
+            results.append(r)
         if check and not all(r.ok for r in results):
             raise _launch_error(results)
         return results
 
-    def _node_result(
+    def start(
         self,
-        i: int,
-        cmd: list[str],
-        proc: subprocess.Popen[bytes],
-        out_dir: str,
-        wall_s: float,
-        timed_out: set[int],
-        killed: set[int],
-    ) -> NodeResult:
-        """Node ``i``'s result, with the output its launcher wrote to ``out_dir``."""
-        return NodeResult(
-            node=i,
-            namespace=self.nodes[i],
-            args=self.exec_args(i, cmd),
-            returncode=proc.returncode,
-            stdout=_read_text(os.path.join(out_dir, f"node{i}.out")),
-            stderr=_read_text(os.path.join(out_dir, f"node{i}.err")),
-            wall_s=wall_s,
-            timed_out=i in timed_out,
-            killed=i in killed,
-        )
+        cmds: Sequence[Sequence[str]],
+        nproc_per_node: int = 1,
+        extra_env: Mapping[str, str] | None = None,
+        *,
+        cwd: str | os.PathLike[str] | None = None,
+    ) -> tuple[list[subprocess.Popen[bytes]], str]:
+        """Start ``cmds[i]`` in node ``i`` with :meth:`launch`'s environment; return at once the
+        processes and the folder of their output (``node{i}.out``/``.err``)."""
+        out_dir = tempfile.mkdtemp(prefix="launch", dir=self.tmpdir)
+        threads = max(1, (os.cpu_count() or 1) // (len(cmds) * nproc_per_node))
+        base_env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=str(threads))
+        procs: list[subprocess.Popen[bytes]] = []
+        for i, cmd in enumerate(cmds):  # teardown ends them if a later one fails to start
+            env = {**base_env, **self.env(i), **(extra_env or {})}
+            argv = self.exec_args(i, cmd)
+            out, err = (open(f"{out_dir}/node{i}.{ext}", "wb") for ext in ("out", "err"))
+            with out, err:  # the child keeps copies; it leads a process group, to kill as a whole
+                procs.append(subprocess.Popen(argv, env=env, cwd=cwd, stdout=out, stderr=err,
+                    stdin=subprocess.DEVNULL, start_new_session=True))  # fmt: skip
+        return procs, out_dir
 
-    def _start(
-        self,
-        i: int,
-        cmd: list[str],
-        env: dict[str, str],
-        cwd: str | os.PathLike[str] | None,
-        out: IO[bytes],
-        err: IO[bytes],
-    ) -> subprocess.Popen[bytes]:
-        """Start ``cmd`` inside node ``i``, in its own process group (to kill as a whole)."""
-        return subprocess.Popen(
-            self.exec_args(i, cmd),
-            env=env,
-            cwd=cwd,
-            stdin=subprocess.DEVNULL,
-            stdout=out,
-            stderr=err,
-            start_new_session=True,
-        )
+    @staticmethod
+    def kill_node(proc: subprocess.Popen[bytes]) -> None:
+        """SIGKILL a node :meth:`start` started, as a power loss would: its process group and all
+        its descendants (workers run in sessions of their own); then reap it."""
+        tree = _children_of({proc.pid})
+        _killpg(proc.pid, signal.SIGKILL)
+        kill_pids(tree, signal.SIGKILL)
+        proc.wait()
 
     def _wait_all(
         self,
