@@ -5,7 +5,8 @@ makes the step's gradient the mean over the 6 whatever the split. Job 1 (3 ranks
 steps, saves with the ``Checkpointer``, and trains 2 more: the uninterrupted run. Job 2
 (2 ranks) starts from other weights, loads the checkpoint and trains the same 2 steps: its
 parameters must equal the uninterrupted run's to float64 reordering noise, with a plain AdamW
-(and an LR schedule) and with ``shard_optimizer`` (whose slices DCP cuts anew for 2 ranks).
+(and an LR schedule) and with ``shard_optimizer`` (whose slices DCP cuts anew for 2 ranks); a
+bf16 model's ``MasterWeights`` (fp32 masters, AdamW's moments) arrive on 2 ranks bit for bit.
 What cannot move is refused on every rank before anything is loaded: PowerSGD's per-rank state,
 and a sampler whose position is per rank.
 """
@@ -25,6 +26,7 @@ import gradsync
 from gradsync.checkpoint import Checkpointer
 from gradsync.comm import PowerSGD
 from gradsync.data import DistributedSampler, GlobalBatchSampler
+from gradsync.optim import MasterWeights
 from gradsync.testing.spawn import spawn
 
 GLOBAL, SAVED_AT, STEPS = 6, 2, 4
@@ -87,6 +89,7 @@ def _save_at_3(rank: int, world: int, root: str) -> dict[str, Any]:
         ckpt.save(SAVED_AT)
         _train(ddp, opt, schedule, range(SAVED_AT, STEPS))
         out[sharded] = _params(ddp)
+    out["master"] = _master_weights(root, save=True)
     ddp = gradsync.DistributedDataParallel(
         _model(0), compression=PowerSGD(rank=1), reduction="item_mean"
     )
@@ -96,8 +99,34 @@ def _save_at_3(rank: int, world: int, root: str) -> dict[str, Any]:
     return out
 
 
+def _master_weights(root: str, save: bool) -> dict[str, torch.Tensor]:
+    """A bf16 model with fp32 main gradients and MasterWeights: saved after 2 steps, or loaded
+    into other weights; returns the fp32 masters and AdamW's moments right after."""
+    model = _model(0 if save else 1).bfloat16()
+    ddp = gradsync.DistributedDataParallel(
+        model, reduction="item_mean", main_grad_dtype=torch.float32
+    )
+    opt = MasterWeights(model.parameters(), torch.optim.AdamW, lr=0.05)
+    ckpt = Checkpointer(f"{root}/master", model=ddp, optimizer=opt, timeout=60)
+    if save:
+        rank, world = dist.get_rank(), dist.get_world_size()
+        for step in range(SAVED_AT):
+            x, y = _my_part(step, rank, world)
+            loss = (ddp(x.bfloat16()) - y.bfloat16()).float().pow(2).sum()
+            ddp.count_items(len(x))
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+        ckpt.save(SAVED_AT)
+    else:
+        assert ckpt.load() == SAVED_AT
+    state = opt.optimizer.state
+    moments = {f"exp_avg{i}": state[m]["exp_avg"].clone() for i, m in enumerate(opt.master)}
+    return {**{f"master{i}": m.detach().clone() for i, m in enumerate(opt.master)}, **moments}
+
+
 def _continue_at_2(rank: int, world: int, root: str) -> dict[str, Any]:
-    out: dict[str, Any] = {}
+    out: dict[str, Any] = {"master": _master_weights(root, save=False)}
     for sharded in (False, True):
         ddp, opt, schedule = _objects(1, sharded)  # other weights: the load must replace them
         sampler = _sampler()
@@ -142,6 +171,10 @@ def test_a_checkpoint_of_3_ranks_continues_exactly_on_2(tmp_path: Path) -> None:
             said = out[f"said{sharded}"]
             assert bool(said) == (rank == 0), said  # rank 0 says it, once
             assert all("from 3 to 2 at step 2" in s for s in said), said
+        # MasterWeights' fp32 masters and AdamW's moments arrive as saved, bit for bit.
+        saved = uninterrupted["master"]
+        assert saved.keys() == out["master"].keys() and len(saved) > 4
+        assert all(torch.equal(out["master"][k], v) for k, v in saved.items()), rank
         refusals = out["refusals"]
         assert "saved by 3 ranks and cannot continue on 2" in refusals["powersgd"]
         assert "compression state" in refusals["powersgd"]

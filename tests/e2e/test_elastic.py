@@ -133,6 +133,7 @@ def test_a_lost_node_shrinks_the_job_which_resumes_and_matches_one_process(tmp_p
     argv += ["--sentences", str(SENTENCES), "--eval-sequences", "64", "--max-steps", str(STEPS)]
     argv += ["--save-every", "2", "--keep", "100", "--timeout-s", "10", "--out", str(out)]
     argv += ["--log-samples", str(log)]
+    argv += ["--tolerance", "1e-12"]  # float64 reordering noise: 4 ranks' sums, then 2 ranks'
     with SimulatedCluster(2, rate_mbit=1000) as cluster:
         cmds = cluster.elastic_torchrun_commands(argv, 2, RDZV_CONF)
         env = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}  # see gradsync/elastic.py
