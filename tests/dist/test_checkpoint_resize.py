@@ -1,12 +1,13 @@
-"""A checkpoint saved by 3 ranks continues on 2 ([Note: resuming at another world size]).
+"""A checkpoint saved by 3 ranks continues on 2 and on 4 ([Note: resuming at another world
+size]).
 
 Each step's global batch (6 samples) is split over the ranks, and ``reduction="item_mean"``
 makes the step's gradient the mean over the 6 whatever the split. Job 1 (3 ranks) trains 2
 steps, saves with the ``Checkpointer``, and trains 2 more: the uninterrupted run. Job 2
-(2 ranks) starts from other weights, loads the checkpoint and trains the same 2 steps: its
+(2 ranks, then 4) starts from other weights, loads the checkpoint and trains the same 2 steps: its
 parameters must equal the uninterrupted run's to float64 reordering noise, with a plain AdamW
-(and an LR schedule) and with ``shard_optimizer`` (whose slices DCP cuts anew for 2 ranks); a
-bf16 model's ``MasterWeights`` (fp32 masters, AdamW's moments) arrive on 2 ranks bit for bit.
+(and an LR schedule) and with ``shard_optimizer`` (whose slices DCP cuts anew); a bf16
+model's ``MasterWeights`` (fp32 masters, AdamW's moments) arrive bit for bit.
 What cannot move is refused on every rank before anything is loaded: PowerSGD's per-rank state,
 and a sampler whose position is per rank.
 """
@@ -125,7 +126,7 @@ def _master_weights(root: str, save: bool) -> dict[str, torch.Tensor]:
     return {**{f"master{i}": m.detach().clone() for i, m in enumerate(opt.master)}, **moments}
 
 
-def _continue_at_2(rank: int, world: int, root: str) -> dict[str, Any]:
+def _continue(rank: int, world: int, root: str) -> dict[str, Any]:
     out: dict[str, Any] = {"master": _master_weights(root, save=False)}
     for sharded in (False, True):
         ddp, opt, schedule = _objects(1, sharded)  # other weights: the load must replace them
@@ -157,25 +158,31 @@ def _continue_at_2(rank: int, world: int, root: str) -> dict[str, Any]:
     return out
 
 
-@pytest.mark.timeout(240)
-def test_a_checkpoint_of_3_ranks_continues_exactly_on_2(tmp_path: Path) -> None:
+@pytest.mark.timeout(300)
+def test_a_checkpoint_of_3_ranks_continues_exactly_on_2_and_on_4(tmp_path: Path) -> None:
     root = str(tmp_path)
     uninterrupted = spawn(_save_at_3, 3, (root,))[0]
-    for rank, out in enumerate(spawn(_continue_at_2, 2, (root,))):
-        for sharded in (False, True):
-            assert out[f"step{sharded}"] == SAVED_AT
-            assert out[f"position{sharded}"] == (1, SAVED_AT)
-            want, got = uninterrupted[sharded], out[sharded]
-            diff = max((got[k] - want[k]).abs().max().item() for k in want)
-            assert diff < TOL, (sharded, rank, diff)
-            said = out[f"said{sharded}"]
-            assert bool(said) == (rank == 0), said  # rank 0 says it, once
-            assert all("from 3 to 2 at step 2" in s for s in said), said
-        # MasterWeights' fp32 masters and AdamW's moments arrive as saved, bit for bit.
-        saved = uninterrupted["master"]
-        assert saved.keys() == out["master"].keys() and len(saved) > 4
-        assert all(torch.equal(out["master"][k], v) for k, v in saved.items()), rank
-        refusals = out["refusals"]
-        assert "saved by 3 ranks and cannot continue on 2" in refusals["powersgd"]
-        assert "compression state" in refusals["powersgd"]
-        assert "keeps a position per rank" in refusals["sampler"], refusals
+    for world in (2, 4):  # a node lost, a node added: the same checkpoint
+        for rank, out in enumerate(spawn(_continue, world, (root,))):
+            _check(uninterrupted, out, rank, world)
+
+
+def _check(uninterrupted: dict[str, Any], out: dict[str, Any], rank: int, world: int) -> None:
+    where = f"rank {rank} of {world}"
+    for sharded in (False, True):
+        assert out[f"step{sharded}"] == SAVED_AT
+        assert out[f"position{sharded}"] == (1, SAVED_AT)
+        want, got = uninterrupted[sharded], out[sharded]
+        diff = max((got[k] - want[k]).abs().max().item() for k in want)
+        assert diff < TOL, (sharded, where, diff)
+        said = out[f"said{sharded}"]
+        assert bool(said) == (rank == 0), said  # rank 0 says it, once
+        assert all(f"from 3 to {world} at step 2" in s for s in said), said
+    # MasterWeights' fp32 masters and AdamW's moments arrive as saved, bit for bit.
+    saved = uninterrupted["master"]
+    assert saved.keys() == out["master"].keys() and len(saved) > 4
+    assert all(torch.equal(out["master"][k], v) for k, v in saved.items()), where
+    refusals = out["refusals"]
+    assert f"saved by 3 ranks and cannot continue on {world}" in refusals["powersgd"]
+    assert "compression state" in refusals["powersgd"]
+    assert "keeps a position per rank" in refusals["sampler"], refusals
