@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -162,3 +163,19 @@ def test_bench_caps_are_fixed_caps() -> None:
     for word in ("scaled", "auto"):  # both run in every bench, in rows of their own
         with pytest.raises(argparse.ArgumentTypeError, match="fixed caps"):
             worker.parse_cap(word)
+
+
+def test_bench_without_matplotlib_stops_before_measuring_naming_the_install_line(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The plots need matplotlib (the `bench` extra): checked first, so a run without it ends
+    at once with the install line instead of dying after minutes of measurement."""
+    from gradsync.bench import cli
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if not installed
+    measured: list[str] = []
+    monkeypatch.setattr(cli, "_run_loopback", lambda *a: measured.append("loopback"))
+    args = argparse.Namespace(out=str(tmp_path / "bench"), where="loopback")
+    assert cli.run(args) == 2
+    assert "pip install 'gradsync[bench]'" in capsys.readouterr().err
+    assert not measured and not (tmp_path / "bench").exists()

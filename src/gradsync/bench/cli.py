@@ -21,6 +21,7 @@ where bucketing choices show.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import sys
@@ -72,10 +73,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_arguments(parser)
 
 
+# What the report needs beyond gradsync's own dependencies, checked before minutes of
+# measurement, not after them: a run that dies drawing its plots has lost all its numbers.
+OPTIONAL = {"matplotlib": "pip install 'gradsync[bench]'"}
+
+
+def missing_optional() -> str | None:
+    """The message for the first optional dependency the report needs that is not installed."""
+    for module, install in OPTIONAL.items():
+        if importlib.util.find_spec(module) is None:
+            return f"gradsync bench: its plots need {module}, which is not installed: {install}"
+    return None
+
+
 def run(args: argparse.Namespace) -> int:
     """Measure every requested setting, then write the JSON, report and plots; 0 on success."""
     from gradsync.testing.cluster import SimulatedCluster
 
+    missing = missing_optional()
+    if missing is not None:
+        print(missing, file=sys.stderr)
+        return 2
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     settings = ["cluster", "loopback"] if args.where == "both" else [args.where]
