@@ -33,7 +33,7 @@ from torch.utils.hooks import RemovableHandle
 from gradsync.comm import CommHook
 from gradsync.ddp.buckets import AccumulatingBucket, Bucket
 from gradsync.ddp.checks.param_watch import ParameterWatch
-from gradsync.ddp.checks.readout import read_step
+from gradsync.ddp.checks.readout import read_step, unused_somewhere
 from gradsync.ddp.checks.tags import NO_ITEMS, NUM_FIELDS, PARAMS_CHANGED, StepTag, TagSlots
 from gradsync.ddp.checks.verdicts import (
     StepContext,
@@ -45,7 +45,6 @@ from gradsync.ddp.main_grads import start_window
 from gradsync.ddp.options import SyncOptions
 from gradsync.ddp.plan import BucketSpec
 from gradsync.ddp.reduction import Reduction
-from gradsync.ddp.unused_last import unused_somewhere
 from gradsync.errors import GradsyncError, NonFiniteGradientError, ProtocolError
 from gradsync.failfast.deadline import Deadline
 from gradsync.mesh.dtensors import GradLayout

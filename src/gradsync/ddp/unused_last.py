@@ -34,22 +34,6 @@ from collections.abc import Callable, Sequence
 
 from gradsync.comm import PowerSGD
 from gradsync.ddp.options import SyncOptions
-from gradsync.ddp.plan import BucketSpec
-
-
-def unused_somewhere(
-    specs: Sequence[BucketSpec], counts: Sequence[Sequence[float]], contributed: int
-) -> tuple[int, ...]:
-    """Indices of the parameters used on fewer ranks than ``contributed`` to the step
-    (``counts``: the summed used flags, per bucket and slot, the same on every rank)."""
-    return tuple(
-        sorted(
-            i
-            for spec, bucket in zip(specs, counts, strict=True)
-            for i, count in zip(spec.param_indices, bucket, strict=True)
-            if count < contributed
-        )
-    )
 
 
 class UnusedLast:

@@ -25,6 +25,7 @@ import torch
 
 from gradsync.ddp.buckets import Bucket
 from gradsync.ddp.checks.tags import StepTag, TagSlots, decode
+from gradsync.ddp.plan import BucketSpec
 from gradsync.ddp.reduction import Reduction
 
 
@@ -99,3 +100,18 @@ def _parse(
             start += len(bucket.params)
     total_items = flat[start] if reduction.counts_items else 0.0
     return StepReadout(counts, finite, local_finite, total_items, tags)
+
+
+def unused_somewhere(
+    specs: Sequence[BucketSpec], counts: Sequence[Sequence[float]], contributed: int
+) -> tuple[int, ...]:
+    """Indices of the parameters used on fewer ranks than ``contributed`` to the step
+    (``counts``: the summed used flags, per bucket and slot, the same on every rank)."""
+    return tuple(
+        sorted(
+            i
+            for spec, bucket in zip(specs, counts, strict=True)
+            for i, count in zip(spec.param_indices, bucket, strict=True)
+            if count < contributed
+        )
+    )

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from gradsync.ddp.checks.diagnostics import check_replicas
 from gradsync.ddp.checks.param_watch import ParameterWatch
-from gradsync.ddp.checks.readout import StepReadout
+from gradsync.ddp.checks.readout import StepReadout, unused_somewhere
 from gradsync.ddp.checks.tags import (
     NO_ITEMS,
     PARAMS_CHANGED,
@@ -120,15 +120,9 @@ def check_tags(tags: list[StepTag | None], step: StepContext) -> None:
 def raise_if_unused(counts: list[list[float]], step: StepContext) -> None:
     """Raise :class:`UnusedParametersError` on every rank if a parameter was used on fewer
     ranks than contributed (``counts``: the summed used flags, the same on every rank)."""
-    names = step.names
-    missing = [
-        names[i]
-        for spec, bucket_counts in zip(step.specs, counts, strict=True)
-        for i, c in zip(spec.param_indices, bucket_counts, strict=True)
-        if c < step.num_active
-    ]
-    if not missing:
+    if not unused_somewhere(step.specs, counts, step.num_active):
         return
+    names = step.names
     unused_here = [names[i] for i in range(len(names)) if not step.used[i]]
     deadline = step.deadline
     lines = per_rank_lines(unused_here, deadline, "the report of unused parameters")
