@@ -1,5 +1,6 @@
 """A rank that dies, stops, stalls or trains in the wrong mode ends the whole torchrun job within
-gradsync's deadline, with the culprit named, and leaves no process behind.
+gradsync's deadline, with the culprit named, and leaves no process behind. A rank that died is
+named as dead, also when it died inside the collective the other rank waits in.
 
 The job (``scripts/fault_job.py``) keeps torch's default process-group timeout of 30 minutes,
 as users' jobs do, so only gradsync's ``timeout=`` can end it in seconds.
@@ -49,6 +50,25 @@ def test_a_dead_or_stalled_rank_ends_the_job_naming_it(fault: str, tmp_path: Pat
     assert proc.returncode != 0, out
     assert "RANK 0 ERROR CollectiveTimeoutError" in out, out
     assert "rank 1: last seen" in out and "gradient reduction of step 2" in out, out
+    if fault in ("sigkill", "exit"):  # rank 0 looked its process up: it died
+        assert re.search(r"then it died: its process \d+ on host \S+ is gone", out), out
+    else:
+        assert "is running, but did not answer after the failure" in out, out
+    assert elapsed < DEADLINE + SLACK, (elapsed, out)
+
+
+@pytest.mark.timeout(150)
+def test_a_rank_killed_inside_the_all_reduce_is_named_dead(tmp_path: Path) -> None:
+    # Rank 1's arrival record says it reached the step's reduction, like rank 0's: what names
+    # it is the roll call after the failure (gradsync/failfast/liveness.py).
+    proc, elapsed = run_job("sigkill-inside", tmp_path, "--monitor-interval", "2")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out
+    assert "RANK 0 ERROR CollectiveTimeoutError" in out and "lost a peer" in out, out
+    assert "every rank reached this operation" in out, out
+    assert re.search(r"rank 1 died inside it \(its process \d+ on host \S+ is gone\)", out), out
+    named = float(re.search(r"RANK 0 ELAPSED ([0-9.]+)", out).group(1))  # type: ignore[union-attr]
+    assert named < DEADLINE, out  # a lost peer is named at once, not at the deadline
     assert elapsed < DEADLINE + SLACK, (elapsed, out)
 
 
@@ -61,6 +81,7 @@ def test_a_stopped_rank_ends_the_job_within_torchruns_kill_grace(tmp_path: Path)
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0, out
     assert "RANK 0 ERROR CollectiveTimeoutError" in out and "rank 1: last seen" in out, out
+    assert "is stopped)" in out, out  # seen from the same host: stopped, not dead
     gave_up = float(re.search(r"RANK 0 ELAPSED ([0-9.]+)", out).group(1))  # type: ignore[union-attr]
     assert gave_up < DEADLINE + 5, out  # rank 0 itself gave up at the deadline
     assert elapsed < DEADLINE + 30 + SLACK, (elapsed, out)

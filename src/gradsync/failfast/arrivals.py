@@ -4,10 +4,15 @@ A collective that times out only tells the waiting rank that *someone* did not c
 message names no rank ("Connection closed by peer", or a timeout). So that every survivor can
 say *which* rank is missing and where it was last seen, each rank writes one small record to
 the c10d store (the rendezvous store every process group already has) when it starts one of
-gradsync's operations: ``"<sequence>|<unix time>|<what>"``, under a key per global rank. The
-sequence number counts gradsync's operations on the group, which every rank runs in the same
-order, so a rank whose record is behind the reader's never arrived. This follows torch's flight
-recorder for NCCL, which keeps per-rank collective records for the same purpose.
+gradsync's operations: ``"<sequence>|<unix time>|<process>|<what>"``, under a key per global
+rank. The sequence number counts gradsync's operations on the group, which every rank runs in
+the same order, so a rank whose record is behind the reader's never arrived. This follows
+torch's flight recorder for NCCL, which keeps per-rank collective records for the same purpose.
+
+A rank that died *inside* a collective has a record like everyone's. So each record also names
+the process that wrote it (``liveness.py``), and after a failure the survivors hold a roll call:
+:meth:`ArrivalRecords.after_failure` names the dead ("rank 2 died inside it (its process 1234
+on host h is gone)"), the silent and the living, within a bound even if the store hangs.
 
 Cost: one store write per synchronised step (a round trip to the store: tens of microseconds on
 one host), never a collective. Reads happen only on the error path, and only for keys that
@@ -16,13 +21,31 @@ exist (``check`` first), so a rank that never wrote cannot make the reader block
 
 from __future__ import annotations
 
+import threading
 import time
+from collections.abc import Mapping
 from datetime import timedelta
+from typing import NamedTuple
 
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
+from gradsync.failfast.liveness import Fate, ProcessId, find_dead, roll_call, this_process
+
 _PREFIX = "gradsync/last_seen/"
+_NO_STORE = "(no arrival records: this job has no c10d store)"
+# How much longer than its roll call a reading of the store may take before it is given up
+# (a store whose host died without closing its connections answers nothing, for minutes).
+_STORE_GRACE_S = 0.5
+
+
+class Record(NamedTuple):
+    """One rank's last arrival record."""
+
+    seq: int
+    stamp: float  # unix time
+    what: str
+    process: ProcessId | None  # who wrote it: the roll call looks it up
 
 
 class ArrivalRecords:
@@ -42,6 +65,11 @@ class ArrivalRecords:
             self.store: dist.Store | None = c10d._get_default_store()
         except Exception:  # no default store (a custom launcher): messages say less
             self.store = None
+        self._process = this_process().encode()  # in every record, for the roll call
+        # Who wrote each rank's records, as last read (construction reads them all): what this
+        # host can still look up once the store is gone.
+        self._processes: dict[int, ProcessId] = {}
+        self._store_lost: str | None = None  # why the store was given up, if it was
 
     def _key(self, rank: int) -> str:
         return f"{self.namespace}{self.global_ranks[rank]}"
@@ -49,23 +77,32 @@ class ArrivalRecords:
     def record(self, seq: int, what: str) -> None:
         """Say that this rank has started operation number ``seq`` (``what``)."""
         # A failing store (its host died) is dropped inside _set: the collective will tell.
-        self._set(self._key(self.rank), f"{seq}|{time.time():.3f}|{what}")
+        self._set(self._key(self.rank), f"{seq}|{time.time():.3f}|{self._process}|{what}")
 
     def read(self) -> dict[int, tuple[int, float, str]]:
         """Every rank's last record that exists: rank -> (sequence, unix time, what)."""
-        out: dict[int, tuple[int, float, str]] = {}
-        if self.store is None:
-            return out
+        return {rank: rec[:3] for rank, rec in self._read_all()[0].items()}
+
+    def _read_all(self) -> tuple[dict[int, Record], Exception | None]:
+        """Every rank's last record that exists, and the store's error if it failed midway
+        (then the records read before it)."""
+        out: dict[int, Record] = {}
+        store = self.store
+        if store is None:
+            return out, None
         for rank in range(len(self.global_ranks)):
             key = self._key(rank)
             try:
-                if not self.store.check([key]):
+                if not store.check([key]):
                     continue
-                seq, stamp, what = self.store.get(key).decode().split("|", 2)
-                out[rank] = (int(seq), float(stamp), what)
-            except Exception:
-                break  # the store is unreachable: report what was read
-        return out
+                seq, stamp, proc, what = store.get(key).decode().split("|", 3)
+                rec = Record(int(seq), float(stamp), what, ProcessId.decode(proc))
+            except Exception as exc:
+                return out, exc
+            out[rank] = rec
+            if rec.process is not None:
+                self._processes[rank] = rec.process
+        return out, None
 
     def wait_for_all(self, seq: int, timeout: timedelta) -> list[int]:
         """Wait until every rank has recorded operation ``seq``; return those that have not
@@ -99,30 +136,146 @@ class ArrivalRecords:
         try:
             if self.store is not None:
                 self.store.set(key, value)
-        except Exception:
-            self.store = None
+        except Exception as exc:
+            self._lose_store(_first_line(exc))
+
+    def _lose_store(self, why: str) -> None:
+        self.store, self._store_lost = None, why
 
     def describe_missing(self, seq: int, what: str = "") -> str:
         """Where every other rank is, seen from a rank waiting at operation ``seq`` (``what``):
         ranks behind it (and where they were last seen), ranks at another operation."""
-        records = self.read()
+        records, _ = self._read_all()
+        return _NO_STORE if self.store is None else self._describe(records, seq, what, {})
+
+    def after_failure(self, seq: int, what: str, seconds: float) -> str:
+        """:meth:`describe_missing` after a failed collective at operation ``seq`` (``what``),
+        and who is alive: a roll call of at most ``seconds`` (``liveness.py``) names the ranks
+        that died and those that did not answer. Returns within ``seconds`` and a short grace
+        even if the store hangs (its host gone); the store is then given up, and the text
+        says so."""
+        found: list[str] = []
+
+        def diagnose() -> None:
+            try:
+                found.append(self._diagnose(seq, what, seconds))
+            except Exception as exc:  # a bug here must not hide the failure being reported
+                found.append(f"(the arrival records could not be read: {exc!r})")
+
+        thread = threading.Thread(target=diagnose, name="gradsync-roll-call", daemon=True)
+        thread.start()
+        thread.join(seconds + _STORE_GRACE_S)
+        if found:
+            return found[0]
+        # A call is stuck in the store: later records must not queue behind it.
+        self._lose_store(f"it did not answer within {seconds + _STORE_GRACE_S:.1f} s")
+        return self._without_store(0.0)
+
+    def _diagnose(self, seq: int, what: str, seconds: float) -> str:
+        records, error = self._read_all()
+        if error is not None:
+            self._lose_store(_first_line(error))
         if self.store is None:
-            return "(no arrival records: this job has no c10d store)"
-        now = time.time()
-        lines = []
+            return self._without_store(seconds)
+        others: dict[int, tuple[str, ProcessId | None]] = {}
         for rank in range(len(self.global_ranks)):
             rec = records.get(rank)
+            if rank != self.rank:  # it answers at the operation it fails at: its record's
+                at = seq if rec is None else rec.seq
+                others[rank] = (self._answer_key(rank, at), None if rec is None else rec.process)
+        try:
+            fates = roll_call(self.store, self._answer_key(self.rank, seq), others, seconds)
+        except Exception as exc:
+            self._lose_store(_first_line(exc))
+            return self._without_store(seconds)
+        return self._describe(records, seq, what, fates)
+
+    def _without_store(self, seconds: float) -> str:
+        """What can be said once the store is gone: which ranks' processes (as last read) this
+        host sees gone. Without torchrun the store is served by rank 0's process, so a dead
+        rank 0 takes the store along: then this names it."""
+        if self._store_lost is None:
+            return _NO_STORE
+        lost = (
+            f"the c10d store failed ({self._store_lost}; the host or process serving it may be "
+            "down)"
+        )
+        known = {r: p for r, p in dict(self._processes).items() if r != self.rank}
+        # Without a roll call a rank that failed too and then exited looks the same as one that
+        # died first: the words say what is seen, no more.
+        gone = [f"rank {r} is gone (its {known[r]} has exited)" for r in find_dead(known, seconds)]
+        return "; ".join([lost, *gone]) if gone else f"{lost}, so no rank can be named"
+
+    def _answer_key(self, rank: int, seq: int) -> str:
+        """Where ``rank`` answers the roll call after failing at its operation ``seq``: a
+        deadline fails once, at its current operation, which is its record's."""
+        return f"{self.namespace}alive/{seq}/{self.global_ranks[rank]}"
+
+    def _describe(
+        self, records: Mapping[int, Record], seq: int, what: str, fates: Mapping[int, Fate]
+    ) -> str:
+        now = time.time()
+        lines, inside = [], []
+        for rank in range(len(self.global_ranks)):
+            rec, fate = records.get(rank), fates.get(rank)
             if rank == self.rank:
                 continue
             if rec is None:
                 lines.append(f"rank {rank}: never seen by gradsync")
-            elif rec[0] < seq or (rec[0] == seq and what and rec[2] != what):
-                lines.append(f"rank {rank}: last seen {now - rec[1]:.1f} s ago at {rec[2]}")
-            elif rec[0] > seq:
-                lines.append(f"rank {rank}: ahead, at {rec[2]}")
-        if not lines:
+            elif rec.seq < seq or (rec.seq == seq and what and rec.what != what):
+                when = f"{now - rec.stamp:.1f} s ago at {rec.what}"
+                lines.append(f"rank {rank}: last seen {when}{_since(fate, rec.process)}")
+            elif rec.seq > seq:
+                lines.append(f"rank {rank}: ahead, at {rec.what}{_since(fate, rec.process)}")
+            elif fate is not None and fate is not Fate.ANSWERED:
+                inside.append(_inside(rank, fate, rec.process))
+        if lines:
+            return "; ".join(lines + inside)
+        if inside:
+            return "; ".join(["every rank reached this operation", *inside])
+        if fates:
             return (
-                "every rank reached this operation, so one of them failed or died inside it "
-                "(look for an earlier error in its log)"
+                "every rank reached this operation and answered after the failure, so none "
+                "died: one of them failed inside it (look for an earlier error in its log)"
             )
-        return "; ".join(lines)
+        return (
+            "every rank reached this operation, so one of them failed or died inside it "
+            "(look for an earlier error in its log)"
+        )
+
+
+def _first_line(exc: BaseException) -> str:
+    return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+
+
+# What the roll call found out, in words. Only SILENT can come without a process (a rank never
+# seen, or a record without one): the others were looked up by it.
+def _inside(rank: int, fate: Fate, proc: ProcessId | None) -> str:
+    """A rank that reached the failed operation and did not answer the roll call."""
+    if fate is Fate.GONE:
+        return f"rank {rank} died inside it (its {proc} is gone)"
+    if fate is Fate.STOPPED:
+        return f"rank {rank} did not answer after the failure: its {proc} is stopped"
+    if fate is Fate.RUNNING:
+        return (
+            f"rank {rank} did not answer after the failure, though its {proc} is running: "
+            "stuck, or still waiting"
+        )
+    return f"rank {rank} did not answer after the failure: dead, or stuck{_on(proc)}"
+
+
+def _since(fate: Fate | None, proc: ProcessId | None) -> str:
+    """A rank last seen at another operation."""
+    if fate is None:
+        return ""
+    return {
+        Fate.ANSWERED: " (alive: it answered after the failure)",
+        Fate.GONE: f" (then it died: its {proc} is gone)",
+        Fate.STOPPED: f" (its {proc} is stopped)",
+        Fate.RUNNING: f" (its {proc} is running, but did not answer after the failure)",
+        Fate.SILENT: f" (it did not answer after the failure: dead, or stuck{_on(proc)})",
+    }[fate]
+
+
+def _on(proc: ProcessId | None) -> str:
+    return "" if proc is None else f"; {proc}"

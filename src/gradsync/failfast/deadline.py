@@ -4,7 +4,8 @@ Torch's default process-group timeout is 30 minutes and its message names no cau
 collective gradsync issues goes through a :class:`Deadline`: it is started asynchronously and
 waited for with the wrapper's own ``timeout=`` (minutes by default, seconds in tests). On expiry
 every waiting rank raises :class:`CollectiveTimeoutError` naming the operation, the step, the
-ranks that did not arrive and where they were last seen (``arrivals.py``).
+ranks that did not arrive and where they were last seen (``arrivals.py``), and, when a peer
+was lost inside the collective, which rank died (a roll call, ``liveness.py``).
 
 After such a failure the group may hold a half-finished collective, which would pair with a
 late rank's next one (mixing unrelated tensors) and keeps the process from exiting until the
@@ -44,6 +45,8 @@ class DeviceEvent(Protocol):
 
     def query(self) -> bool: ...
 
+
+_ROLL_CALL_S = 2.0  # the longest a failed rank waits for its peers' answers (liveness.py)
 
 _CULPRITS = (
     "A rank that does not arrive may be busy with rank-specific work (saving, evaluating on "
@@ -157,6 +160,8 @@ class Deadline:
     def record_error(self, error: BaseException) -> None:
         """Leave word in the arrival records that this rank raised ``error`` (for its peers)."""
         summary = str(error).splitlines()[0][:200]
+        if isinstance(error, CollectiveTimeoutError):  # its own failure: how, not its diagnosis
+            summary = summary.split("; ")[0]
         self.arrivals.record(
             self.seq, f"{self.where}, where it raised {type(error).__name__}: {summary}"
         )
@@ -202,11 +207,15 @@ class Deadline:
 
     def _fail(self, what: str, exc: BaseException, waited: float) -> None:
         cause = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        if waited < 0.9 * self.timeout.total_seconds():  # not the deadline: a peer went away
+        limit = self.timeout.total_seconds()
+        if waited < 0.9 * limit:  # not the deadline: a peer went away
             how = f"lost a peer after {waited:.1f} s while waiting for {what} ({self.where})"
         else:
             how = f"gave up waiting for {what} ({self.where}) after {waited:.1f} s"
-        where = self.arrivals.describe_missing(self.seq, self.where)
+        # Who is missing, and who died: the roll call takes what is left of the deadline, at
+        # most a couple of seconds (peers that fail with this rank answer within milliseconds).
+        roll_call_s = min(_ROLL_CALL_S, max(limit - waited, 0.0))
+        where = self.arrivals.after_failure(self.seq, self.where, roll_call_s)
         self.failure = f"rank {self.rank} {how}; {where}. (backend: {cause})"
         error = CollectiveTimeoutError(f"{self.failure} {_CULPRITS}")
         if self.owns_group:

@@ -3,8 +3,10 @@
     torchrun --standalone --nproc-per-node 2 fault_job.py FAULT [--timeout S] [--marker M]
 
 FAULT is one of ``sigstop`` (rank 1 stops itself), ``sigkill`` (rank 1 kills itself),
-``exit`` (rank 1 exits with code 3), ``slow`` (rank 1 sleeps far past the deadline) and
-``eval`` (rank 1 switches to eval mode with BatchNorm while the others train). The job uses
+``exit`` (rank 1 exits with code 3), ``slow`` (rank 1 sleeps far past the deadline), ``eval``
+(rank 1 switches to eval mode with BatchNorm while the others train) and ``sigkill-inside``
+(rank 1 kills itself during backward, once its gradient reduction has begun: rank 0 is then
+inside the all-reduce with it, and rank 1's arrival record says it got there). The job uses
 torch's default process-group timeout (30 minutes), as users' jobs do: only gradsync's
 ``timeout`` may end it. Rank 0 prints ``ELAPSED <seconds>`` from the fault to its error.
 """
@@ -27,7 +29,8 @@ import gradsync
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("fault", choices=("sigstop", "sigkill", "exit", "slow", "eval"))
+    faults = ("sigstop", "sigkill", "exit", "slow", "eval", "sigkill-inside")
+    parser.add_argument("fault", choices=faults)
     parser.add_argument("--timeout", type=float, default=3.0)
     parser.add_argument("--marker", default="", help="ignored: lets a test find its processes")
     args = parser.parse_args()
@@ -69,6 +72,10 @@ def misbehave(fault: str, ddp: gradsync.DistributedDataParallel) -> None:
         time.sleep(600)
     elif fault == "eval":
         ddp.eval()
+    elif fault == "sigkill-inside":
+        # Runs after gradsync's own hook on this parameter, the last to get its gradient.
+        first = ddp.module[0].weight
+        first.register_post_accumulate_grad_hook(lambda _: os.kill(os.getpid(), signal.SIGKILL))
 
 
 if __name__ == "__main__":
