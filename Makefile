@@ -13,7 +13,8 @@ $(VENV)/.installed: pyproject.toml
 
 .PHONY: train train-resize train-3d test lint docs
 train: $(VENV)/.installed
-	$(VENV)/bin/torchrun --standalone --nproc-per-node $(NPROC) examples/train_gpt.py
+	$(VENV)/bin/torchrun --standalone --nproc-per-node $(NPROC) examples/train_gpt.py \
+		--timeline runs/gpt/timeline.png
 
 # The world size changes mid-run: 3 ranks train to step 20 and stop (a node lost), 2 ranks
 # resume from the checkpoint; the end is checked against 1 process, as in `make train`.

@@ -34,6 +34,7 @@ were then lost, resumes on 2, and checks the end against one process as usual.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
 import os
@@ -124,6 +125,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--timeout-s", type=float, default=120.0, help="process-group timeout")
     p.add_argument("--losses-out", help="write the loss every 10 steps (mean over ranks), JSON")
     p.add_argument("--log-samples", help="append each rank's sample indices per step (JSON lines)")
+    p.add_argument(
+        "--timeline",
+        help="at the end, plot every rank's step phases over the last 100 steps to this file\n"
+        "(PNG/SVG/PDF; needs matplotlib: pip install 'gradsync[bench]')",
+    )
     return p.parse_args(argv)
 
 
@@ -240,8 +246,34 @@ def evaluate(model: torch.nn.Module, dataset: CharDataset, sequences: int) -> fl
     return total / n
 
 
+def report_timeline(
+    ddp: gradsync.DistributedDataParallel, args: argparse.Namespace, rank: int
+) -> None:
+    """Rank 0 prints the step timeline's last report and, with --timeline, plots it."""
+    if rank != 0 or not ddp.timeline.history:
+        return
+    report = ddp.timeline.report(last=len(ddp.timeline.history))
+    named = ", ".join(
+        f"rank {s['rank']} ({s['phase']}, +{s['late_ms']:.1f} ms)" for s in report["stragglers"]
+    )
+    print(
+        f"step timeline, last {report['num_steps']} steps: median step {report['step_ms']:.1f} ms, "
+        f"stragglers: {named or 'none'}"
+    )
+    if args.timeline:
+        from gradsync.bench.phase_plot import plot_step_phases
+
+        plot_step_phases(
+            ddp.timeline.history, args.timeline, title="train_gpt.py: step phases per rank"
+        )
+        print(f"step timeline plot: {args.timeline}")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.timeline and importlib.util.find_spec("matplotlib") is None:  # before any work
+        print("--timeline needs matplotlib: pip install 'gradsync[bench]'", file=sys.stderr)
+        return 2
     if "RANK" in os.environ:
         dist.init_process_group("gloo", timeout=timedelta(seconds=args.timeout_s))
     else:  # plain `python train_gpt.py`: a world of one, through a private file store
@@ -338,6 +370,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     elapsed = time.perf_counter() - t0
     status, final_loss = 0, float("nan")
+    report_timeline(ddp, args, rank)
     if rank == 0:  # the trained model in one file, for use outside this job
         path = save_checkpoint(
             {"model": ddp.state_dict(), "optimizer": opt.state_dict(), "step": step},

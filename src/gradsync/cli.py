@@ -15,7 +15,7 @@ from gradsync.verify import cli as verify_cli
 
 SUBCOMMANDS = {
     "verify": (verify_cli, "is my N-process training the same as 1-process training?"),
-    "bench": (bench_cli, "step time against torch DDP, overlap efficiency and bus bandwidth"),
+    "bench": (bench_cli, "step time against torch DDP, overlap and bus bandwidth; --trace"),
     "cluster": (cluster_cli, "run a torchrun script across simulated nodes (needs root)"),
 }
 

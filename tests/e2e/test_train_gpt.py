@@ -20,18 +20,34 @@ def test_train_gpt_matches_single_process(tmp_path: Path) -> None:
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
         str(ROOT / "examples" / "train_gpt.py"),
         "--max-steps", "12", "--out", str(tmp_path / "run"), "--timeout-s", "60",
-        "--save-every", "6", "--eval-sequences", "64",
+        "--save-every", "6", "--eval-sequences", "64", "--timeline", str(tmp_path / "tl.png"),
     ]  # fmt: skip
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=220)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out
     assert "PASS" in out and "float64" in out, out
+    # The step timeline: reports from step 2 on (one step behind), and its plot.
+    assert "step timeline, last 10 steps: median step" in out, out
+    assert (tmp_path / "tl.png").stat().st_size > 10_000
     state = torch.load(tmp_path / "run" / "checkpoint.pt", weights_only=True)
     assert state["step"] == 12
     assert "tok_emb.weight" in state["model"]  # keys of the unwrapped model, no "module."
     assert not any(k.startswith("module.") for k in state["model"])
     saved = sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir())
     assert saved == [".gradsync-owner", "step_00000006", "step_00000012"], saved
+
+
+@pytest.mark.timeout(60)
+def test_the_timeline_plot_needs_matplotlib_and_says_so_before_training(tmp_path: Path) -> None:
+    code = (
+        "import runpy, sys; sys.modules['matplotlib'] = None; "  # as if it were not installed
+        f"sys.argv = ['train_gpt.py', '--timeline', {str(tmp_path / 'tl.png')!r}]; "
+        f"runpy.run_path({str(ROOT / 'examples' / 'train_gpt.py')!r}, run_name='__main__')"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=50)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "pip install 'gradsync[bench]'" in proc.stderr
+    assert "gradsync:" not in proc.stdout  # stopped before any training
 
 
 @pytest.mark.timeout(120)

@@ -175,7 +175,7 @@ def test_bench_without_matplotlib_stops_before_measuring_naming_the_install_line
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if not installed
     measured: list[str] = []
     monkeypatch.setattr(cli, "_run_loopback", lambda *a: measured.append("loopback"))
-    args = argparse.Namespace(out=str(tmp_path / "bench"), where="loopback")
+    args = argparse.Namespace(out=str(tmp_path / "bench"), where="loopback", trace=False)
     assert cli.run(args) == 2
     assert "pip install 'gradsync[bench]'" in capsys.readouterr().err
     assert not measured and not (tmp_path / "bench").exists()

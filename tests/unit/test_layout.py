@@ -90,6 +90,7 @@ LAYERS = [
     {"errors", "elastic"},
     {"mesh"},
     {"failfast"},  # deadlines, arrival records, the private group: what every collective uses
+    {"timing"},  # every rank's step phases, straggler reports, profiler ranges
     {"comm"},
     {"optim"},
     {"ddp"},

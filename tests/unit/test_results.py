@@ -29,12 +29,17 @@ def compared(monkeypatch) -> list[tuple[bool, results.StepReadout]]:  # type: ig
         reads.append(1)
         return real_read(*args)
 
-    def both(buckets, check_finite, reduction, world_size, used, tag_slots):  # type: ignore[no-untyped-def]
+    def both(buckets, check_finite, reduction, world_size, used, tag_slots, timing_slots):  # type: ignore[no-untyped-def]
         before = len(reads)
-        got = results.read_step(buckets, check_finite, reduction, world_size, used, tag_slots)
+        got = results.read_step(
+            buckets, check_finite, reduction, world_size, used, tag_slots, timing_slots
+        )
         from_device = len(reads) > before
         flat = real_read(buckets, check_finite, reduction)
-        assert got == results._parse(flat, buckets, check_finite, reduction, world_size)
+        read = results._parse(flat, buckets, check_finite, reduction, world_size)
+        # The step timeline's milliseconds went through the bucket's dtype on the device.
+        assert got.timings == pytest.approx(read.timings, rel=1e-6)
+        assert got._replace(timings=[]) == read._replace(timings=[])
         seen.append((from_device, got))
         return got
 

@@ -3,6 +3,7 @@
     gradsync bench                                  # simulated 2 nodes at 1 Gbit/s, then loopback
     gradsync bench --where loopback --rounds 3      # no root needed
     gradsync bench --rate-mbit 500 --out runs/bench-500
+    gradsync bench --trace --out runs/trace        # a profiler trace per rank, in seconds
 
 (``python -m gradsync bench`` takes the same flags.) Both settings run two ranks, one thread
 each, and the same worker (:mod:`gradsync.bench.worker`): on a
@@ -16,6 +17,9 @@ to ``--out``. The default model (12.7M parameters, 50.7 MB of float32 gradients)
 (1000 Mbit/s) are chosen so that, on a 2-vCPU machine, compute (~0.35 s) and communication
 (~0.45 s, ring bound 0.42 s) are within 2x of each other: that is where overlap matters and
 where bucketing choices show.
+
+``--trace`` measures nothing: it profiles a few steps on loopback and writes one
+Chrome/Perfetto trace per rank with gradsync's ranges in it (:mod:`gradsync.bench.trace`).
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ from typing import Any, TypeVar
 
 from tqdm import tqdm
 
-from gradsync.bench import report
+from gradsync.bench import report, trace
 from gradsync.bench.plots import plot_breakdown, plot_step_vs_bucket
 from gradsync.bench.worker import add_model_arguments
 
@@ -44,7 +48,10 @@ communication alone, on 2 simulated nodes (network namespaces, links shaped to -
 needs root) and on loopback; then all-reduce bus bandwidth against the ring bound. --formats
 adds the wire formats (gradsync bf16 and PowerSGD rank 4, torch DDP with bf16_compress_hook and
 powerSGD_hook) with bytes per step. Writes report.md, results.json and two plots to --out. A
-default run takes ~3 minutes on 2 vCPUs (--rounds sets the length).
+default run takes ~3 minutes on 2 vCPUs (--rounds sets the length). --trace instead profiles
+a few steps on loopback and writes one Chrome/Perfetto trace per rank (open them at
+https://ui.perfetto.dev), with a table of gradsync's ranges (copy-in, launch, wait, checks,
+write-back) per rank.
 """
 
 T = TypeVar("T")
@@ -70,6 +77,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--timeout-s", type=float, default=900.0, help="hard limit per setting (default 900)"
     )
+    trace.add_arguments(parser)
     add_model_arguments(parser)
 
 
@@ -90,6 +98,8 @@ def run(args: argparse.Namespace) -> int:
     """Measure every requested setting, then write the JSON, report and plots; 0 on success."""
     from gradsync.testing.cluster import SimulatedCluster
 
+    if args.trace:  # no plots, so no matplotlib needed
+        return trace.run(args)
     missing = missing_optional()
     if missing is not None:
         print(missing, file=sys.stderr)

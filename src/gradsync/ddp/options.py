@@ -84,9 +84,20 @@ class SyncOptions:
     """Accumulate and reduce gradients in this dtype, into ``p.main_grad`` (``main_grads.py``);
     whether the module allows it is checked by the wrapper, which holds the module."""
 
+    straggler_every: int = 10
+    """Every this many steps, rank 0 logs the ranks that made the others wait, and in which
+    phase (logger ``gradsync.stragglers``); ``0`` turns the step timeline off (nothing is
+    measured or carried). See [Note: naming a straggler] in ``timing/attribution.py``."""
+
     def __post_init__(self) -> None:
         # A refusal here is a UsageError naming the setting; the wrapper raises it on every rank.
         check_reduction(self.reduction)
+        if (
+            isinstance(self.straggler_every, bool)
+            or not isinstance(self.straggler_every, int)
+            or self.straggler_every < 0
+        ):
+            raise UsageError(f"straggler_every must be an int >= 0, got {self.straggler_every!r}")
         check_cap(self.first_bucket_cap_mb, "first_bucket_cap_mb", words=())
         object.__setattr__(self, "algorithm", get_algorithm(self.algorithm))
         describe_compression(self.compression)

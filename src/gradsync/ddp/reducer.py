@@ -45,10 +45,13 @@ from gradsync.ddp.main_grads import start_window
 from gradsync.ddp.options import SyncOptions
 from gradsync.ddp.plan import BucketSpec
 from gradsync.ddp.reduction import Reduction
+from gradsync.ddp.torch_reducer import TorchReducerMethods
 from gradsync.errors import GradsyncError, NonFiniteGradientError, ProtocolError
 from gradsync.failfast.deadline import Deadline
 from gradsync.mesh.dtensors import GradLayout
 from gradsync.optim.master import stamp_grads
+from gradsync.timing import StepTimeline
+from gradsync.timing.ranges import span
 
 # id(parameter) -> the live reducer whose hooks it carries. Wrapping parameters again retires
 # the old reducer (removes its hooks): a re-wrap works, and the old wrapper says so if used.
@@ -64,7 +67,7 @@ class _Phase(enum.Enum):
     RETIRED = "retired"  # a newer reducer (a new wrapper's, or a successor) took them over
 
 
-class Reducer:
+class Reducer(TorchReducerMethods):
     """Owns the buckets, the hooks and the per-step state of gradient synchronisation.
 
     It is the only writer of its state: the wrapper tells it about each forward
@@ -83,6 +86,7 @@ class Reducer:
         deadline: Deadline,
         comm_hook: CommHook,
         reduction: Reduction,
+        timeline: StepTimeline,
         layouts: Sequence[GradLayout | None] = (),
     ) -> None:
         # named_parameters() yields a tied parameter once, so it is reduced once.
@@ -95,6 +99,7 @@ class Reducer:
         self.deadline = deadline
         self.comm_hook = comm_hook
         self.reduction = reduction
+        self.timeline, self.marks = timeline, timeline.recorder  # see [Note: step phases]
         # On CUDA a host-side wait blocks until the GPU is done; see Deadline.wait.
         self.host_deadline = not (bool(self.params) and self.params[0].is_cuda)
         self.world_size = deadline.world_size
@@ -120,7 +125,10 @@ class Reducer:
         self._training_forward = False  # the last forward ran in training mode
         self._backward_began = False  # a gradient of the last forward's backward arrived
         self.changes: list[str] = []  # how the parameter set differs from wrapping time
-        self._tag_slots = TagSlots(self.buckets[0].tags, self.rank) if self.buckets else None
+        tail = self.buckets[0].tags if self.buckets else None  # step tags, then timings
+        num_tags = NUM_FIELDS * self.world_size
+        self._tag_slots = TagSlots(tail[:num_tags], self.rank) if tail is not None else None
+        self._timings = timeline.slots(tail[num_tags:], len(specs)) if tail is not None else None
         self._hooks = self._take_over_parameters()
 
     def _bucket(self, b: int, spec: BucketSpec) -> Bucket:
@@ -128,7 +136,9 @@ class Reducer:
         return kind(
             spec, [self.params[i] for i in spec.param_indices],
             as_view=self.options.gradient_as_bucket_view,
-            num_tags=NUM_FIELDS * self.world_size if b == 0 else 0,  # [Note: step tags]
+            num_tags=(  # [Note: step tags], then every rank's phases (timing/slots.py)
+                NUM_FIELDS * self.world_size + self.timeline.num_values(len(self.specs))
+            ) if b == 0 else 0,
             layouts=[self.layouts[i] for i in spec.param_indices],
         )  # fmt: skip
 
@@ -172,7 +182,7 @@ class Reducer:
         new = cls(
             old.watch, specs, old.options, deadline=old.deadline,
             comm_hook=old.comm_hook if comm_hook is None else comm_hook,
-            reduction=old.reduction, layouts=old.layouts,
+            reduction=old.reduction, timeline=old.timeline, layouts=old.layouts,
         )  # fmt: skip
         new.num_reductions = old.num_reductions  # the same watch: step tags continue
         if phase in (_Phase.ACCUMULATING, _Phase.ARMED):
@@ -228,6 +238,11 @@ class Reducer:
         return self.phase is _Phase.REDUCING
 
     @property
+    def unprepared(self) -> bool:
+        """No forward through the wrapper since the last reduction."""
+        return self.phase is _Phase.UNPREPARED
+
+    @property
     def window_open(self) -> bool:
         """A training forward ran since the last reduction: gradients of a step are pending."""
         return self.window_forwards > 0
@@ -274,28 +289,6 @@ class Reducer:
         self.phase = _Phase.ARMED if sync else _Phase.ACCUMULATING
         self.window_no_sync += int(self._training_forward and not sync) - int(was_counted)
 
-    # -- torch's Reducer methods that Accelerate and Lightning call on a DDP's ``.reducer`` --
-    def prepare_for_backward(self, outputs: object = ()) -> None:
-        """torch's meaning: the backward of the forward just run synchronises, even though that
-        forward ran with ``require_backward_grad_sync=False`` (Accelerate's
-        ``trigger_sync_in_backward``; Lightning calls it before every synchronising backward).
-        ``outputs`` is torch's hint for finding unused parameters, which gradsync finds by
-        itself."""
-        if self.phase is _Phase.UNPREPARED:
-            raise ProtocolError(
-                "reducer.prepare_for_backward() needs a forward through the wrapper first"
-            )
-        self.decide(True)
-
-    def _rebuild_buckets(self) -> bool:
-        """torch rebuilds its buckets once, after the first step; gradsync plans them at
-        construction (or with ``bucket_cap_mb="auto"``): nothing to rebuild."""
-        return False
-
-    def _delay_all_reduce(self) -> None:
-        """torch's static-graph first step defers its reduction to the end of backward;
-        gradsync's first step reduces like every other: nothing was deferred."""
-
     def count_items(self, num_items: float | torch.Tensor) -> None:
         """Declare that the current micro-batch's (sum-reduced) loss covers ``num_items`` items."""
         if self.phase in (_Phase.UNPREPARED, _Phase.REDUCING) and self.reduction.counts_items:
@@ -313,7 +306,9 @@ class Reducer:
         if phase is _Phase.REDUCING:
             pass
         elif phase is _Phase.ACCUMULATING:
-            self._backward_began = True  # decide() no longer changes this backward
+            if not self._backward_began:  # decide() no longer changes this backward
+                self._backward_began = True
+                self.marks.backward_began()  # under no_sync: its end is marked by a callback
             self.buckets[b].accumulate(slot)  # main gradients add up in the bucket
             return
         elif phase is _Phase.UNPREPARED:
@@ -343,6 +338,7 @@ class Reducer:
         return self.reduction.pre_division(ranks, self.comm_hook.divides_by)
 
     def _write_tag(self, contributes: bool) -> None:
+        self.timeline.write(self._timings, contributes)  # this rank's last interval, if any
         if self._tag_slots is None:
             return
         tag = None
@@ -361,7 +357,8 @@ class Reducer:
             self.next_bucket += 1
 
     def _launch(self, bucket: Bucket) -> None:
-        bucket.gather(self._scale)
+        with span("bucket_copy_in"):
+            bucket.gather(self._scale)
         if self.options.check_finite:
             bucket.flag_finite()  # read with the step's readout
         if bucket.filled_late:
@@ -371,7 +368,9 @@ class Reducer:
             bucket.used_flags.copy_(host, non_blocking=cuda)
         else:  # every slot was filled by its hook: all used (no host-to-device copy needed)
             bucket.used_flags.fill_(1.0)
-        bucket.work = self.comm_hook.start(bucket)
+        self.marks.launched(bucket.spec.index)
+        with span("bucket_launch"):
+            bucket.work = self.comm_hook.start(bucket)
 
     def finish_gradient_synchronization(self) -> None:
         """Wait for every bucket and write the reduced gradients to ``.grad``.
@@ -380,6 +379,7 @@ class Reducer:
         """
         if self.phase is not _Phase.REDUCING:
             return
+        self.marks.backward_ended()
         self._complete(shadow=False, write_back=True)
 
     def shadow_backward(self, num_active: int, write_back: bool, by_world: bool = False) -> None:
@@ -401,23 +401,29 @@ class Reducer:
     def _complete(self, shadow: bool, write_back: bool) -> None:
         try:
             self._launch_remaining(zeros=shadow)
-            self._wait_all()
-            readout = read_step(
-                self.buckets, self.options.check_finite, self.reduction, self.world_size,
-                self.used, self._tag_slots,
-            )  # fmt: skip
-            try:
-                judge(readout, self._step_context())
-            except NonFiniteGradientError:
-                self.comm_hook.discard_step()  # the step is skipped: so is its hook state
-                raise
+            with span("bucket_wait"):
+                self._wait_all()
+            self.marks.synced()  # the end of the step's collectives: see [Note: step phases]
+            with span("step_checks"):
+                readout = read_step(
+                    self.buckets, self.options.check_finite, self.reduction, self.world_size,
+                    self.used, self._tag_slots, self._timings,
+                )  # fmt: skip
+                try:
+                    judge(readout, self._step_context())
+                except NonFiniteGradientError:
+                    self.comm_hook.discard_step()  # the step is skipped: so is its hook state
+                    raise
+            self.timeline.received(readout.timings, self.num_reductions)
             self.reduction.post_divide([b.grads for b in self.buckets], readout.total_items)
             if self.first_unused is None and self.options.tolerates_unused:
                 self.first_unused = unused_somewhere(self.specs, readout.counts, self.num_active)
             if write_back:
-                self._write_back(readout.counts)
+                with span("bucket_write_back"):
+                    self._write_back(readout.counts)
             self.num_reductions += 1
         except GradsyncError as exc:
+            self.marks.abandon()
             self.deadline.record_error(exc)
             raise
         finally:

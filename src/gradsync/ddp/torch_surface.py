@@ -24,6 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.algorithms.join import JoinHook
 
 from gradsync.errors import UsageError
 
@@ -131,7 +132,11 @@ class TorchSurface:
         cap = self.bucket_cap_mb  # type: ignore[attr-defined]
         return 2**62 if cap is None or cap == math.inf else int(cap * 2**20)
 
-    # torch's Joinable interface (the wrapper's join_hook is the third member)
+    # torch's Joinable interface, for torch.distributed.algorithms.join.Join (see join.py)
+    def join_hook(self, **kwargs: Any) -> JoinHook:
+        join: Any = self._join  # type: ignore[attr-defined]
+        return join.torch_hook(kwargs.get("divide_by_initial_world_size", True))
+
     @property
     def join_device(self) -> torch.device:
         return self.device  # type: ignore[attr-defined]

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.algorithms.join import Join, Joinable, JoinHook
+from torch.distributed.algorithms.join import Join, Joinable
 from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
@@ -44,6 +44,7 @@ from gradsync.failfast.deadline import as_timedelta, new_wrapper_deadline
 from gradsync.mesh.axes import axis_names, data_parallel_group
 from gradsync.mesh.dtensors import grad_layouts, local
 from gradsync.optim.sharded import ShardedOptimizer
+from gradsync.timing import StepTimeline
 
 
 class DistributedDataParallel(TorchSurface, TorchDDP):  # type: ignore[override]
@@ -84,6 +85,7 @@ class DistributedDataParallel(TorchSurface, TorchDDP):  # type: ignore[override]
         check_finite, check_replicas_every: NaN/Inf check per bucket before communication;
             parameter checksums compared across ranks every this many steps.
         main_grad_dtype: accumulate and reduce gradients in this dtype, into ``p.main_grad``.
+        straggler_every: steps per straggler report of :attr:`timeline` (``0``: off).
     """
 
     _torch_hook: Callable[..., Any] | None = None  # set by register_comm_hook
@@ -106,10 +108,9 @@ class DistributedDataParallel(TorchSurface, TorchDDP):  # type: ignore[override]
         reduction: str = "mean", algorithm: str | AllReduceAlgorithm = "native",
         compression: Compression = None, timeout: float | timedelta = 300.0,
         check_finite: bool = False, check_replicas_every: int = 0,
-        main_grad_dtype: torch.dtype | None = None,
+        main_grad_dtype: torch.dtype | None = None, straggler_every: int = 10,
     ) -> None:  # fmt: skip
-        # torch's __init__ would build torch's C++ reducer: only the two bases' own state here.
-        nn.Module.__init__(self)
+        nn.Module.__init__(self)  # not torch DDP's __init__: it would build torch's C++ reducer
         Joinable.__init__(self)
         check_can_wrap(module, DistributedDataParallel)
         torch_args.warn_deprecated(check_reduction, broadcast_buffers, forward_sync_buffers)
@@ -132,7 +133,7 @@ class DistributedDataParallel(TorchSurface, TorchDDP):  # type: ignore[override]
                 find_unused_parameters=find_unused_parameters, static_graph=static_graph,
                 gradient_as_bucket_view=gradient_as_bucket_view,
                 broadcast_buffers=each_forward, init_sync=init_sync, init_sync_buffers=at_init,
-                reduction=reduction, algorithm=algorithm,
+                reduction=reduction, algorithm=algorithm, straggler_every=straggler_every,
                 compression=compression, timeout=self._deadline.timeout, check_finite=check_finite,
                 check_replicas_every=check_replicas_every, main_grad_dtype=main_grad_dtype,
             )  # fmt: skip
@@ -149,6 +150,7 @@ class DistributedDataParallel(TorchSurface, TorchDDP):  # type: ignore[override]
         self.batched_grad_copy = batched_grad_copy  # results are the same either way
         self._autotune = AutoBuckets(first_bucket_cap_mb) if self.options.auto else None
         self._unused_last = UnusedLast(self.options)
+        self.timeline = StepTimeline.of(self.options.straggler_every, self._deadline)
         self._make_replicas_equal(self.options.settings(axis_names(device_mesh)))
         self.reducer = self._first_reducer()
         self._join = self._new_join_protocol()
@@ -219,7 +221,7 @@ class DistributedDataParallel(TorchSurface, TorchDDP):  # type: ignore[override]
         reduction = Reduction(self.reduction, group, device)
         return Reducer(
             watch, specs, options, deadline=self._deadline, comm_hook=hook,
-            reduction=reduction, layouts=self._layouts,
+            reduction=reduction, timeline=self.timeline, layouts=self._layouts,
         )  # fmt: skip
 
     def _replace_reducer(
@@ -250,7 +252,13 @@ class DistributedDataParallel(TorchSurface, TorchDDP):  # type: ignore[override]
     @torch.compiler.disable(recursive=False)  # see _prepare_forward
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         args, kwargs = self._prepare_forward(args, kwargs)
-        return self._run_module(args, kwargs)
+        out = self._run_module(args, kwargs)
+        self._forward_returned()
+        return out
+
+    @torch.compiler.disable  # a clock reading: never traced
+    def _forward_returned(self) -> None:
+        self.timeline.recorder.forward_ended()  # a no-op unless a training forward began
 
     @torch.compiler.disable(recursive=False)  # see _prepare_forward
     def _run_module(self, args: Any, kwargs: Any) -> Any:
@@ -303,6 +311,8 @@ class DistributedDataParallel(TorchSurface, TorchDDP):  # type: ignore[override]
                 if broadcast:
                     self._broadcast_buffers()
             self.reducer.begin_forward(sync, training, num_active, self._join.divides_by_world)
+            if training:
+                self.timeline.recorder.forward_began()
         except GradsyncError as exc:
             self._deadline.record_error(exc)  # so that the peers' timeout can name it
             raise
@@ -349,10 +359,6 @@ class DistributedDataParallel(TorchSurface, TorchDDP):  # type: ignore[override]
         params = [p.data for _, p in self._named_parameters()]
         self._deadline.broadcast(params + self._buffers_to_sync, src, what)
 
-    # torch's Joinable interface, for torch.distributed.algorithms.join.Join (see join.py)
-    def join_hook(self, **kwargs: Any) -> JoinHook:
-        return self._join.torch_hook(kwargs.get("divide_by_initial_world_size", True))
-
     @property
     def require_backward_grad_sync(self) -> bool:
         """torch's flag: ``False`` makes the backward of a forward run now accumulate locally.
@@ -385,13 +391,10 @@ class DistributedDataParallel(TorchSurface, TorchDDP):  # type: ignore[override]
     def shard_optimizer(
         self, optimizer_class: type[torch.optim.Optimizer], **defaults: Any
     ) -> ShardedOptimizer:
-        """ZeRO-1: an ``optimizer_class(**defaults)`` whose state is sharded over the ranks, in
-        the shape of torch's DDP with ``ZeroRedundancyOptimizer``: backward leaves the reduced
-        gradient in ``.grad`` (torch's ``clip_grad_norm_`` and ``zero_grad()`` work as without
-        sharding), and ``opt.step()`` steps this rank's slices, all-gathers them and returns
-        with the parameters in place on every rank, after checking that every rank steps with
-        the same hyper-parameters (see [Note: sharded steps in the wrapper] in
-        ``gradsync/ddp/sharding.py``). Call it on every rank, once, before the first forward."""
+        """ZeRO-1: an ``optimizer_class(**defaults)`` whose state is sharded over the ranks, as
+        torch's DDP with ``ZeroRedundancyOptimizer``: ``.grad`` is reduced as always, and
+        ``opt.step()`` steps this rank's slices and all-gathers them ([Note: sharded steps in
+        the wrapper] in ``sharding.py``). On every rank, once, before the first forward."""
         sharding.refuse_unsupported({
             "main_grad_dtype": self.main_grad_dtype is not None,
             "algorithm": self.algorithm.name != "native",
@@ -413,18 +416,14 @@ class DistributedDataParallel(TorchSurface, TorchDDP):  # type: ignore[override]
         return steps.optimizer
 
     def _parameters_ready(self) -> None:
-        """Wait for parameter all-gathers a sharded optimizer's step left in flight: only one
-        that raised does (``opt.step()`` returns with the parameters in place); a no-op
-        otherwise."""
+        """Wait for the all-gathers a sharded optimizer's step that raised left in flight."""
         if self._sharded is not None:
             self._sharded.wait_all()
 
     def register_comm_hook(self, state: object, hook: Callable[..., Any]) -> None:
-        """Run torch's DDP communication hook ``hook(state, bucket) -> Future[Tensor]`` (e.g.
-        from ``torch.distributed.algorithms.ddp_comm_hooks``) on every bucket, as
-        ``torch.nn.parallel.DistributedDataParallel.register_comm_hook`` does. Call it on
-        every rank, once, before the first forward; ranks registering different hooks raise
-        ``UsageError`` on every rank. See ``gradsync/comm/torch_hooks.py``."""
+        """Run torch's DDP communication hook ``hook(state, bucket) -> Future[Tensor]`` on every
+        bucket, as torch DDP's ``register_comm_hook``. On every rank, once, before the first
+        forward; different hooks on different ranks raise ``UsageError`` (``torch_hooks.py``)."""
         facts = torch_hooks.WrapperFacts(
             describe_compression(self.compression), self.algorithm.name,
             registered=self._torch_hook is not None, forward_ran=self._forward_ran,
@@ -464,9 +463,8 @@ class DistributedDataParallel(TorchSurface, TorchDDP):  # type: ignore[override]
         )
 
     def sync_state_dict(self) -> dict[str, Any]:
-        """gradsync's own training state, for a training checkpoint (``state_dict()`` stays
-        the module's): the synchronised step counter, the last replica check and the state of
-        the compression (PowerSGD's matrices and error buffers; tensors).
+        """gradsync's own training state (``state_dict()`` stays the module's): the step
+        counter, the last replica check, the bucket plan and the compression's state (tensors).
 
         Raises ``ProtocolError`` between the forwards of an accumulation window or inside
         ``join()``: gradients accumulated under ``no_sync()`` are not part of any checkpoint,

@@ -24,9 +24,10 @@ from typing import NamedTuple
 import torch
 
 from gradsync.ddp.buckets import Bucket
-from gradsync.ddp.checks.tags import StepTag, TagSlots, decode
+from gradsync.ddp.checks.tags import NUM_FIELDS, StepTag, TagSlots, decode
 from gradsync.ddp.plan import BucketSpec
 from gradsync.ddp.reduction import Reduction
+from gradsync.timing.slots import TimingSlots
 
 
 class StepReadout(NamedTuple):
@@ -37,6 +38,7 @@ class StepReadout(NamedTuple):
     local_finite: list[list[float]] | None  # per bucket and slot, on this rank before the sum
     total_items: float  # the window's items over every rank (item_mean only)
     tags: list[StepTag | None] | None  # every rank's step tag (None: no buckets)
+    timings: list[float]  # every rank's slots of the step timeline (timing/slots.py)
 
 
 def read_step(
@@ -46,13 +48,16 @@ def read_step(
     world_size: int,
     used: Sequence[bool],
     tag_slots: TagSlots | None,
+    timing_slots: TimingSlots | None = None,
 ) -> StepReadout:
-    """The step's readout. ``used`` and ``tag_slots``: what this rank wrote into the flags and
-    tags (a slot of a filled bucket is used: its hook fired, or it was filled late as used)."""
+    """The step's readout. ``used``, ``tag_slots`` and ``timing_slots``: what this rank wrote
+    into the flags, tags and timings (a slot of a filled bucket is used: its hook fired, or it
+    was filled late as used)."""
     if world_size == 1 and not check_finite and not reduction.counts_items:
         flags = [float(used[i]) for b in buckets for i in b.spec.param_indices]
         written = tag_slots.written if tag_slots is not None else []
-        return _parse([*flags, *written], buckets, check_finite, reduction, world_size)
+        timed = timing_slots.written if timing_slots is not None else []
+        return _parse([*flags, *written, *timed], buckets, check_finite, reduction, world_size)
     return _parse(
         _read(buckets, check_finite, reduction), buckets, check_finite, reduction, world_size
     )
@@ -85,11 +90,12 @@ def _parse(
     for bucket in buckets:
         counts.append(flat[start : start + len(bucket.params)])
         start += len(bucket.params)
-    tags = None
-    if buckets:
-        num_tags = buckets[0].tags.numel()
+    tags, timings = None, []
+    if buckets:  # bucket 0's tail: every rank's step tag, then every rank's timings
+        num_tags, num_tail = NUM_FIELDS * world_size, buckets[0].tags.numel()
         tags = decode(flat[start : start + num_tags], world_size)
-        start += num_tags
+        timings = flat[start + num_tags : start + num_tail]
+        start += num_tail
     finite, local_finite = None, None
     if check_finite:
         finite = flat[start : start + len(buckets)]
@@ -99,7 +105,7 @@ def _parse(
             local_finite.append(flat[start : start + len(bucket.params)])
             start += len(bucket.params)
     total_items = flat[start] if reduction.counts_items else 0.0
-    return StepReadout(counts, finite, local_finite, total_items, tags)
+    return StepReadout(counts, finite, local_finite, total_items, tags, timings)
 
 
 def unused_somewhere(

@@ -1,0 +1,160 @@
+"""Who made the others wait, in which phase, and what it cost: pure arithmetic on the records.
+
+[Note: naming a straggler]
+In a step, the rank that arrived last at the step's final collective is the one with the most
+``busy`` time (its interval minus its exposed communication, see [Note: step phases]); how late
+it was is its busy time minus the median rank's, which is what a typical rank waited for it.
+Noise makes *some* rank last in every step, so a rank is named only if, over a report's window,
+
+- it was the last, and late by more than the threshold, in at least half of the steps, and
+- it was late on average by more than the threshold,
+
+where the threshold is the larger of ``min_late_ms`` and ``min_late_fraction`` of the median
+interval. The defaults (5 ms, 5 %) were chosen from balanced runs on a loaded 2-core machine,
+where no rank was named in (see ``docs/stragglers.md`` for the measurement). The phase named
+is the one in which the rank spent the most time over the median rank's, in the steps it was
+last; "the job lost X %" is its average lateness over the median interval.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from gradsync.timing.phases import PHASES, RankStep
+
+COMPUTE_PHASES = ("data", "forward", "backward", "optimizer")  # what a rank spends before arriving
+_WORDS = {
+    "data": "data loading (between steps)",
+    "forward": "the forward",
+    "backward": "the backward",
+    "optimizer": "the optimizer step",
+}
+
+Window = Sequence[tuple[int, Sequence[RankStep | None]]]  # (step, every rank's record)
+
+
+@dataclass(frozen=True)
+class Thresholds:
+    """When a rank counts as late; see [Note: naming a straggler]."""
+
+    min_late_ms: float = 5.0
+    min_late_fraction: float = 0.05
+    min_share: float = 0.5  # of the window's steps in which it must have been the last
+
+
+def _late_in(records: Sequence[RankStep | None]) -> dict[int, float]:
+    present = {r: rec.busy for r, rec in enumerate(records) if rec is not None}
+    if len(present) < 2:
+        return {}
+    middle = statistics.median(present.values())
+    return {r: busy - middle for r, busy in present.items()}
+
+
+def _excess(records: Sequence[RankStep | None], rank: int) -> dict[str, float]:
+    present = [rec for rec in records if rec is not None]
+    mine = records[rank]
+    assert mine is not None
+    return {p: mine[p] - statistics.median(rec[p] for rec in present) for p in COMPUTE_PHASES}
+
+
+def _bucket_lateness(steps: Window) -> dict[int, list[float]]:
+    """Per rank, per bucket: the mean delay of its launch after the first rank's."""
+    delays: dict[int, dict[int, list[float]]] = {}  # rank -> bucket -> delays
+    for _, records in steps:
+        present = [(r, rec) for r, rec in enumerate(records) if rec is not None]
+        for b in range(min(len(rec.launches) for _, rec in present)):
+            times = [(r, rec.launches[b]) for r, rec in present if rec.launches[b] > 0]
+            first = min((t for _, t in times), default=0.0)
+            for r, t in times if len(times) > 1 else ():
+                delays.setdefault(r, {}).setdefault(b, []).append(t - first)
+    return {
+        r: [
+            statistics.fmean(by_bucket[b]) if b in by_bucket else 0.0
+            for b in range(max(by_bucket) + 1)
+        ]
+        for r, by_bucket in delays.items()
+    }
+
+
+def _rank_means(steps: Window) -> dict[int, dict[str, Any]]:
+    """Per rank: its mean lateness and mean phases over ``steps``."""
+    sums: dict[int, list[list[float]]] = {}  # rank -> per step [late, *phases]
+    for _, records in steps:
+        for r, late in _late_in(records).items():
+            rec = records[r]
+            assert rec is not None
+            sums.setdefault(r, []).append([late, *rec.phases])
+    keys = ["late_ms", *(f"{p}_ms" for p in PHASES)]
+    return {
+        r: dict(zip(keys, (statistics.fmean(col) for col in zip(*rows, strict=True)), strict=True))
+        for r, rows in sums.items()
+    }
+
+
+def _last_steps(steps: Window, floor: float) -> dict[int, list[int]]:
+    """Per rank, the indices of the steps in which it arrived last, later than ``floor``."""
+    last: dict[int, list[int]] = {}
+    for i, (_, records) in enumerate(steps):
+        late = _late_in(records)
+        slowest = max(late, key=lambda r: late[r])
+        if late[slowest] >= floor:
+            last.setdefault(slowest, []).append(i)
+    return last
+
+
+def attribute(window: Window, thresholds: Thresholds = Thresholds()) -> dict[str, Any]:
+    """The report of ``window`` (the same on every rank: every rank holds every record)."""
+    steps = [(s, recs) for s, recs in window if len(_late_in(recs)) >= 2]
+    intervals = [rec.interval for _, recs in steps for rec in recs if rec is not None]
+    step_ms = statistics.median(intervals) if intervals else 0.0
+    floor = max(thresholds.min_late_ms, thresholds.min_late_fraction * step_ms)
+    ranks, last = _rank_means(steps), _last_steps(steps, floor)
+    for r, lateness in _bucket_lateness(steps).items():
+        ranks[r]["bucket_late_ms"] = lateness
+    stragglers = []
+    for r, entry in ranks.items():
+        entry["last_in"] = len(last.get(r, []))
+        if entry["last_in"] < max(1, thresholds.min_share * len(steps)):
+            continue
+        if entry["late_ms"] < floor:
+            continue
+        excess = dict.fromkeys(COMPUTE_PHASES, 0.0)
+        for i in last[r]:
+            for p, v in _excess(steps[i][1], r).items():
+                excess[p] += v / len(last[r])
+        phase = max(excess, key=lambda p: excess[p])
+        stragglers.append({
+            "rank": r, "phase": phase, "last_in": entry["last_in"], "of": len(steps),
+            "late_ms": entry["late_ms"], "phase_excess_ms": excess[phase],
+            "job_lost_pct": 100.0 * entry["late_ms"] / step_ms if step_ms else 0.0,
+        })  # fmt: skip
+    stragglers.sort(key=lambda s: -s["late_ms"])
+    return {
+        "steps": [steps[0][0], steps[-1][0]] if steps else [], "num_steps": len(steps),
+        "step_ms": step_ms, "threshold_ms": floor, "stragglers": stragglers, "ranks": ranks,
+    }  # fmt: skip
+
+
+def describe(report: dict[str, Any]) -> list[str]:
+    """One line per straggler named in ``report``."""
+    return [
+        f"gradsync: rank {s['rank']} was last to arrive in {s['last_in']} of the last {s['of']} "
+        f"steps, +{s['late_ms']:.1f} ms/step, in {_WORDS[s['phase']]} (the job lost "
+        f"{s['job_lost_pct']:.0f}% of its time waiting for it)"
+        for s in report["stragglers"]
+    ]
+
+
+def metrics(report: dict[str, Any], prefix: str = "gradsync/") -> dict[str, float]:
+    """``report`` as flat ``name -> number`` pairs, for TensorBoard's ``add_scalar`` or
+    ``wandb.log``."""
+    out = {f"{prefix}step_ms": float(report["step_ms"]),
+           f"{prefix}stragglers": float(len(report["stragglers"]))}  # fmt: skip
+    for r, entry in report["ranks"].items():
+        for key, value in entry.items():
+            if isinstance(value, (int, float)):
+                out[f"{prefix}rank{r}/{key}"] = float(value)
+    return out

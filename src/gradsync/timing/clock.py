@@ -1,0 +1,46 @@
+"""Where a rank's phase boundaries are read from: the host's clock, or the GPU's.
+
+A phase of a CPU step is host time between two marks. On CUDA the host only queues work and
+runs ahead of the GPU, so host time would charge a slow GPU's forward to whatever the host
+waits at next (the step's readout). There a mark is a CUDA event recorded on the current
+stream, and a duration is read with ``Event.elapsed_time`` once the GPU has passed both marks:
+after the step's readout, which waits for the GPU anyway. No mark ever makes the host wait.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+
+class HostClock:
+    """Marks are ``time.perf_counter()`` readings; a mark costs well under a microsecond."""
+
+    def mark(self) -> Any:
+        return time.perf_counter()
+
+    def elapsed_ms(self, start: Any, end: Any) -> float:
+        return (end - start) * 1e3
+
+
+class DeviceClock:
+    """Marks are CUDA events on the current stream of ``device`` (timing enabled, no sync)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def mark(self) -> Any:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
+    def elapsed_ms(self, start: Any, end: Any) -> float:
+        # Both events are behind the step's readout, which the host has waited for.
+        return float(start.elapsed_time(end))
+
+
+def clock_for(device: torch.device) -> HostClock | DeviceClock:
+    """The GPU's clock for a replica on CUDA, else the host's."""
+    return DeviceClock(device) if device.type == "cuda" else HostClock()

@@ -1,0 +1,176 @@
+"""One rank's time between two synchronised steps, cut into the phases a person can act on.
+
+[Note: step phases]
+Every rank leaves a step's last collective at about the same moment: a collective ends when its
+last rank arrives. So the end of each synchronised step is a clock that all ranks share without
+exchanging a single timestamp, and the time from one step's end to the next (the *interval*) is
+about the same on every rank. Each rank cuts its interval into:
+
+- ``optimizer``: inside any ``torch.optim.Optimizer.step`` (torch's global step hooks), the
+  outermost call only (a sharded or fp32-master optimizer steps an inner one);
+- ``forward``: inside the wrapper's training forwards;
+- ``backward``: from the end of each training forward to the end of its backward's
+  computation (the loss is computed in between; it is the backward's input);
+- ``exposed_comm``: from the end of the synchronising backward's computation to the end of the
+  step's collectives: communication that backward did not hide, including waiting for others;
+- ``data``: the rest: loading the next batch, and anything else the loop does between steps.
+
+Phases tile the interval, so the rank whose ``exposed_comm`` is smallest is the one the others
+waited for, and the phase in which it spent more than the others is where its time went. Each
+bucket's launch is marked too, as an offset from the interval's start, comparable across ranks
+for the same reason.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.optim.optimizer import (
+    register_optimizer_step_post_hook,
+    register_optimizer_step_pre_hook,
+)
+
+from gradsync.timing.clock import DeviceClock, HostClock
+
+PHASES = ("data", "forward", "backward", "optimizer", "exposed_comm")
+_COMPUTED = {"forward", "backward", "optimizer", "exposed_comm"}  # "data" is what is left
+
+
+@dataclass(frozen=True)
+class RankStep:
+    """One rank's interval: milliseconds per phase (in ``PHASES`` order) and each bucket's
+    launch as milliseconds from the interval's start (0: not known)."""
+
+    phases: tuple[float, ...]
+    launches: tuple[float, ...] = ()
+
+    @property
+    def interval(self) -> float:
+        return sum(self.phases)
+
+    def __getitem__(self, phase: str) -> float:
+        return self.phases[PHASES.index(phase)]
+
+    @property
+    def busy(self) -> float:
+        """Time until this rank arrived at the step's last collective."""
+        return self.interval - self["exposed_comm"]
+
+
+class PhaseRecorder:
+    """Marks phase boundaries on this rank and turns a finished interval into a
+    :class:`RankStep` (see [Note: step phases]). The wrapper and its reducer call the marks; the
+    marks hold clock readings (CUDA events on a GPU) until :meth:`resolve`."""
+
+    def __init__(self, clock: HostClock | DeviceClock) -> None:
+        self.clock = clock
+        self._start: Any = None  # the end of the last synchronised step (None: none yet)
+        self._end: Any = None  # the end of the interval just closed, until it is resolved
+        self._closed: tuple[Any, list[tuple[str, Any, Any]], dict[int, Any]] | None = None
+        self._spans: list[tuple[str, Any, Any]] = []  # (phase, begin, end)
+        self._launches: dict[int, Any] = {}
+        self._forward_began: Any = None
+        self._forward_ended: Any = None  # its backward's start
+        self._last_exposed_began: Any = None
+        self._optimizer_began: Any = None
+        self._optimizer = 0  # id() of the optimizer whose step is being timed (the outermost)
+        _listen(self)
+
+    def forward_began(self) -> None:
+        self._forward_began = self.clock.mark()
+        self._forward_ended = self._optimizer_began = None  # (an optimizer step that raised)
+
+    def forward_ended(self) -> None:
+        if self._forward_began is not None:
+            self._forward_ended = self.clock.mark()
+            self._spans.append(("forward", self._forward_began, self._forward_ended))
+            self._forward_began = None
+
+    def backward_began(self) -> None:
+        """A backward that does not reduce (under ``no_sync``) began: its end is marked by an
+        autograd callback (a reducing one's end is the reducer's own end-of-backward)."""
+        torch.autograd.Variable._execution_engine.queue_callback(self.backward_ended)
+
+    def backward_ended(self) -> None:
+        """The end of a backward's computation (its end-of-backward callback)."""
+        if self._forward_ended is not None:
+            end = self._last_exposed_began = self.clock.mark()
+            self._spans.append(("backward", self._forward_ended, end))
+            self._forward_ended = None
+
+    def launched(self, bucket: int) -> None:
+        self._launches[bucket] = self.clock.mark()
+
+    def optimizer_began(self, optimizer: object) -> None:
+        if self._optimizer_began is None:  # not inside another optimizer's step
+            self._optimizer_began, self._optimizer = self.clock.mark(), id(optimizer)
+
+    def optimizer_ended(self, optimizer: object) -> None:
+        if self._optimizer_began is not None and id(optimizer) == self._optimizer:
+            self._spans.append(("optimizer", self._optimizer_began, self.clock.mark()))
+            self._optimizer_began = None
+
+    def synced(self) -> None:
+        """The step's collectives are done (on CUDA: the stream has waited for them): the
+        interval ends here and the next begins. Resolved by :meth:`resolve` after the readout."""
+        now = self.clock.mark()
+        if self._start is not None and self._last_exposed_began is not None:
+            self._spans.append(("exposed_comm", self._last_exposed_began, now))
+            self._closed = (self._start, self._spans, self._launches)
+            self._end = now
+        self._start, self._spans, self._launches = now, [], {}
+        self._last_exposed_began = self._forward_began = self._forward_ended = None
+
+    def abandon(self) -> None:
+        """A step that raised: its interval is not measured (the next one starts at its end)."""
+        self._closed = None
+        self._start = None
+
+    def resolve(self) -> RankStep | None:
+        """The interval closed by the last :meth:`synced`, once (``None``: there was none,
+        e.g. before the first synchronised step)."""
+        if self._closed is None:
+            return None
+        start, spans, launches = self._closed
+        self._closed = None
+        offset = self.clock.elapsed_ms
+        total = offset(start, self._end)
+        sums = dict.fromkeys(PHASES, 0.0)
+        for phase, begin, end in spans:
+            sums[phase] += offset(begin, end)
+        sums["data"] = max(0.0, total - sum(sums[p] for p in _COMPUTED))
+        order = sorted(launches)
+        times = tuple(
+            offset(start, launches[b]) if b in launches else 0.0
+            for b in range(order[-1] + 1 if order else 0)
+        )
+        return RankStep(tuple(sums[p] for p in PHASES), times)
+
+
+# The optimizer's step is timed with torch's global step hooks, installed with the first
+# recorder, which tell every live recorder (a process usually has one wrapper). A step that
+# raises never reaches the post hook: the next training forward forgets it.
+_live: weakref.WeakSet[PhaseRecorder] = weakref.WeakSet()
+
+
+def _listen(recorder: PhaseRecorder) -> None:
+    if not _live and not _hooks:
+        _hooks.append(register_optimizer_step_pre_hook(_pre_step))
+        _hooks.append(register_optimizer_step_post_hook(_post_step))
+    _live.add(recorder)
+
+
+def _pre_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    for recorder in list(_live):
+        recorder.optimizer_began(optimizer)
+
+
+def _post_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    for recorder in list(_live):
+        recorder.optimizer_ended(optimizer)
+
+
+_hooks: list[Any] = []  # torch's handles of the two global hooks, once installed

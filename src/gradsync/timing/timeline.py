@@ -1,0 +1,111 @@
+"""A wrapper's step timeline: every rank's phases, step after step, and who made the others wait.
+
+The :class:`PhaseRecorder` marks this rank's phases; the first bucket carries each rank's
+record of the interval before the step (``slots.py``); after the step's readout every rank
+holds every rank's record, kept here for the last ``keep`` steps. Every ``every`` steps the
+last window is judged (``attribution.py``) and, if a rank made the others wait, rank 0 says so
+through :mod:`logging` (logger ``gradsync.stragglers``, level WARNING; a report that names
+nobody goes out at INFO). ``report()`` and ``metrics()`` give the same figures as plain data.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from gradsync.timing.attribution import Thresholds, attribute, describe, metrics
+from gradsync.timing.clock import clock_for
+from gradsync.timing.phases import PhaseRecorder, RankStep
+from gradsync.timing.slots import TimingSlots, decode, fields_per_rank
+
+logger = logging.getLogger("gradsync.stragglers")
+
+
+class _NoRecorder:
+    """The recorder of a timeline that is off: every mark is a no-op."""
+
+    def __getattr__(self, name: str) -> Any:
+        return _nothing
+
+
+def _nothing(*args: Any) -> None:
+    return None
+
+
+class StepTimeline:
+    """Every rank's step phases and the straggler reports of one wrapper (``model.timeline``).
+
+    ``every``: steps per report (``straggler_every`` of the wrapper); ``0`` turns measuring,
+    carrying and reporting off. ``thresholds`` may be replaced (the same on every rank).
+    """
+
+    def __init__(
+        self, every: int, rank: int, world_size: int, device: torch.device, keep: int = 100
+    ) -> None:
+        self.every, self.rank, self.world_size = every, rank, world_size
+        self.enabled = every > 0
+        self.recorder: Any = PhaseRecorder(clock_for(device)) if self.enabled else _NoRecorder()
+        self.history: deque[tuple[int, list[RankStep | None]]] = deque(maxlen=max(keep, every))
+        self.thresholds = Thresholds()
+        self.last_report: dict[str, Any] | None = None
+        self._outgoing: RankStep | None = None  # this rank's last interval, sent next step
+
+    @classmethod
+    def of(cls, every: int, deadline: Any) -> StepTimeline:
+        """The timeline of a wrapper whose collectives run under ``deadline`` (its rank, world
+        size and the replica's device)."""
+        return cls(every, deadline.rank, deadline.world_size, deadline.device)
+
+    def num_values(self, num_buckets: int) -> int:
+        """How many values the first bucket carries for the timeline (every rank's slots)."""
+        return fields_per_rank(num_buckets) * self.world_size if self.enabled else 0
+
+    def slots(self, values: torch.Tensor, num_buckets: int) -> TimingSlots | None:
+        return TimingSlots(values, self.rank, num_buckets) if self.enabled else None
+
+    def write(self, slots: TimingSlots | None, contributes: bool) -> None:
+        """Before the step's first bucket launches: this rank's last interval, if it has one
+        and takes part (a rank that has joined sends none)."""
+        if slots is not None:
+            slots.write(self._outgoing if contributes else None)
+
+    def received(self, values: Sequence[float], step: int) -> None:
+        """After step ``step``'s readout: ``values`` holds every rank's record of the interval
+        that ended with step ``step - 1``."""
+        if not self.enabled:
+            return
+        self._outgoing = self.recorder.resolve()
+        records = decode(values, self.world_size)
+        if any(rec is not None for rec in records):
+            self.history.append((step - 1, records))
+        if (step + 1) % self.every == 0 and self.history:
+            self.last_report = self.report()
+            self._log(self.last_report)
+
+    def report(self, last: int | None = None) -> dict[str, Any]:
+        """The straggler report of the last ``last`` steps (default: ``every``) as plain data:
+        ``stragglers`` (rank, phase, last_in, of, late_ms, job_lost_pct), ``step_ms``,
+        ``threshold_ms`` and, per rank, its mean phases and lateness (``ranks``)."""
+        window = list(self.history)[-(last or self.every or len(self.history)) :]
+        return attribute(window, self.thresholds)
+
+    def metrics(self, prefix: str = "gradsync/") -> dict[str, float]:
+        """The last report as flat ``name -> number`` pairs, for any metrics logger."""
+        return metrics(self.last_report or self.report(), prefix)
+
+    def _log(self, report: dict[str, Any]) -> None:
+        if self.rank != 0:
+            return
+        lines = describe(report)
+        for line in lines:
+            logger.warning(line)
+        if not lines and report["steps"]:
+            first, last = report["steps"]
+            logger.info(
+                "gradsync: no straggler in steps %d-%d (median step %.1f ms, threshold %.1f ms)",
+                first, last, report["step_ms"], report["threshold_ms"],
+            )  # fmt: skip

@@ -1,0 +1,126 @@
+"""A rank that makes the others wait is named, with the phase it spent the time in.
+
+Three gloo ranks; one of them sleeps 50 ms in one place: before fetching each batch (data
+loading) or in each backward (a gradient hook), with two micro-batches per step (the first under
+``no_sync``), or in its forward, or in its optimizer step. Within the first report, at step 10,
+rank 0 logs that rank with the right phase, every rank holds the same report, and its buckets
+launched late by about the sleep. A balanced run of 50 steps names nobody. One spawn for all
+cases.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import gradsync
+from gradsync.testing.spawn import spawn
+
+SLOW_RANK, SLEEP = 2, 0.05
+MICRO = {"data": 2, "backward": 2, "forward": 1, "optimizer": 1}  # micro-batches per step
+
+
+class Lines(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+def _net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 1)
+    )
+
+
+def _train(rank: int, where: str, steps: int, micro: int = 1) -> dict[str, Any]:
+    net = _net()
+    model = gradsync.DistributedDataParallel(net, bucket_cap_mb=0, timeout=30)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    slow = rank == SLOW_RANK
+    if slow and where == "optimizer":
+        opt.register_step_pre_hook(lambda *a: time.sleep(SLEEP))
+    if slow and where == "forward":
+        net[2].register_forward_hook(lambda *a: time.sleep(SLEEP))
+    if slow and where == "backward":
+        net[2].weight.register_hook(lambda g: time.sleep(SLEEP))
+    handler = Lines()
+    logging.getLogger("gradsync.stragglers").addHandler(handler)
+    logging.getLogger("gradsync.stragglers").setLevel(logging.INFO)
+    reports = []
+    gen = torch.Generator().manual_seed(rank)
+    try:
+        for step in range(steps):
+            for m in range(micro):
+                if slow and where == "data":
+                    time.sleep(SLEEP)
+                x = torch.randn(8, 16, generator=gen)
+                with model.no_sync() if m < micro - 1 else contextlib.nullcontext():
+                    model(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+            if (step + 1) % model.timeline.every == 0:
+                reports.append(model.timeline.last_report)
+    finally:
+        logging.getLogger("gradsync.stragglers").removeHandler(handler)
+    return {"reports": reports, "lines": handler.lines, "metrics": model.timeline.metrics()}
+
+
+def _cases(rank: int, world: int) -> dict[str, Any]:
+    out = {where: _train(rank, where, 10, MICRO[where]) for where in MICRO}
+    out["balanced"] = _train(rank, "none", 50)
+    return out
+
+
+@pytest.fixture(scope="module")
+def cases() -> list[dict[str, Any]]:
+    return spawn(_cases, 3, timeout_s=180)
+
+
+@pytest.mark.parametrize("where", ["data", "forward", "backward", "optimizer"])
+def test_the_slow_rank_is_named_with_its_phase_within_ten_steps(
+    cases: list[dict[str, Any]], where: str
+) -> None:
+    first = cases[0][where]["reports"][0]  # the report at step 10
+    named = [(s["rank"], s["phase"]) for s in first["stragglers"]]
+    assert named == [(SLOW_RANK, where)], first
+    late, excess = first["stragglers"][0]["late_ms"], first["stragglers"][0]["phase_excess_ms"]
+    per_step = SLEEP * 1e3 * MICRO[where]
+    assert 0.7 * per_step < late < 2.0 * per_step, first
+    assert excess > 0.7 * per_step, first  # all of it in that phase (under no_sync too)
+    # Rank 0 says it in one line; the other ranks hold the same report.
+    lines = [line for line in cases[0][where]["lines"] if "was last to arrive" in line]
+    assert len(lines) == 1 and f"rank {SLOW_RANK} was last to arrive" in lines[0], lines
+    assert not cases[1][where]["lines"] and not cases[2][where]["lines"]
+    assert all(c[where]["reports"][0]["stragglers"] == first["stragglers"] for c in cases)
+
+
+@pytest.mark.parametrize("where", ["data", "forward"])
+def test_a_late_start_delays_every_bucket_launch(cases: list[dict[str, Any]], where: str) -> None:
+    ranks = cases[0][where]["reports"][0]["ranks"]
+    slow, fast = ranks[SLOW_RANK]["bucket_late_ms"], ranks[0]["bucket_late_ms"]
+    assert len(slow) == 6  # a bucket per parameter
+    assert min(slow) > 0.7 * SLEEP * 1e3 > max(fast), (slow, fast)
+
+
+def test_a_balanced_run_names_nobody(cases: list[dict[str, Any]]) -> None:
+    reports = cases[0]["balanced"]["reports"]
+    assert len(reports) == 5
+    assert all(r["stragglers"] == [] for r in reports), reports
+    assert not [line for line in cases[0]["balanced"]["lines"] if "was last" in line]
+
+
+def test_the_figures_are_plain_numbers_for_a_metrics_logger(cases: list[dict[str, Any]]) -> None:
+    metrics = cases[0]["optimizer"]["metrics"]
+    assert metrics["gradsync/stragglers"] == 1.0
+    assert metrics[f"gradsync/rank{SLOW_RANK}/optimizer_ms"] > 0.7 * SLEEP * 1e3
+    assert all(isinstance(v, float) for v in metrics.values())

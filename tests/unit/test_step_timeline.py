@@ -1,0 +1,222 @@
+"""The step timeline's parts on their own: phases from marks, slots in a bucket, attribution.
+
+A scripted clock stands in for time (and for CUDA events: the recorder only ever asks the clock
+for marks and for the milliseconds between two of them), so every phase is known exactly.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import gradsync
+from gradsync.timing import PHASES, RankStep, StepTimeline, Thresholds
+from gradsync.timing.attribution import attribute, describe, metrics
+from gradsync.timing.phases import PhaseRecorder
+from gradsync.timing.slots import LIMIT_MS, MAX_LAUNCHES, TimingSlots, decode, fields_per_rank
+
+
+class ScriptedClock:
+    """``now`` is set by the test; a mark is the time it was taken (seconds)."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def mark(self) -> Any:
+        return self.now
+
+    def elapsed_ms(self, start: Any, end: Any) -> float:
+        return (end - start) * 1e3
+
+
+def _at(clock: ScriptedClock, t_ms: float) -> None:
+    clock.now = t_ms / 1e3
+
+
+def _step(rec: PhaseRecorder, clock: ScriptedClock, t0: float, micro: int = 1) -> float:
+    """One synchronised step starting at ``t0`` ms: per micro-batch 2 ms of data, 3 ms forward,
+    5 ms backward; the last reduces (1 ms launch, 4 ms exposed); then a 2 ms optimizer step."""
+    t = t0
+    for m in range(micro):
+        t += 2
+        _at(clock, t)
+        rec.forward_began()
+        t += 3
+        _at(clock, t)
+        rec.forward_ended()
+        if m == micro - 1:
+            _at(clock, t + 1)
+            rec.launched(0)
+        t += 5
+        _at(clock, t)
+        rec.backward_ended()
+    t += 4
+    _at(clock, t)
+    rec.synced()
+    return t
+
+
+def test_phases_tile_the_interval_between_two_steps() -> None:
+    clock = ScriptedClock()
+    rec = PhaseRecorder(clock)
+    t = _step(rec, clock, 0.0)
+    assert rec.resolve() is None  # before the first synchronised step: nothing to measure
+    t = _step(rec, clock, t, micro=2)  # two micro-batches (the first under no_sync)
+    opt = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1)
+    _at(clock, t + 1)
+    opt.step()  # timed by torch's global step hooks: 0 ms on the scripted clock
+    got = rec.resolve()
+    assert got is not None
+    assert dict(zip(PHASES, got.phases, strict=True)) == pytest.approx(
+        {"data": 4.0, "forward": 6.0, "backward": 10.0, "optimizer": 0.0, "exposed_comm": 4.0}
+    )
+    assert got.interval == pytest.approx(24.0) and got.busy == pytest.approx(20.0)
+    assert got.launches == pytest.approx((16.0,))  # the second micro-batch's forward + 1 ms
+
+
+def test_the_optimizer_step_is_its_own_phase_outermost_only() -> None:
+    clock = ScriptedClock()
+    rec = PhaseRecorder(clock)
+    t = _step(rec, clock, 0.0)
+    inner = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1)
+
+    class Outer(torch.optim.SGD):
+        def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+            clock.now += 0.003
+            inner.step()  # a wrapped optimizer's step: not counted twice
+            clock.now += 0.004
+            return super().step(closure)
+
+    outer = Outer([nn.Parameter(torch.zeros(1))], lr=0.1)
+    _at(clock, t + 1)
+    outer.step()
+    _step(rec, clock, clock.now * 1e3 - 2)
+    got = rec.resolve()
+    assert got is not None and got["optimizer"] == pytest.approx(7.0)
+
+
+def test_a_step_that_raised_is_not_measured() -> None:
+    clock = ScriptedClock()
+    rec = PhaseRecorder(clock)
+    t = _step(rec, clock, 0.0)
+    t = _step(rec, clock, t)
+    rec.abandon()
+    assert rec.resolve() is None
+    _step(rec, clock, t)
+    assert rec.resolve() is None  # the interval after it has no measured start either
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_slots_carry_each_ranks_record_and_nothing_for_the_others(dtype: torch.dtype) -> None:
+    world, buckets = 3, 40
+    width = fields_per_rank(buckets)
+    assert width == 1 + len(PHASES) + MAX_LAUNCHES
+    summed = torch.zeros(width * world, dtype=dtype)
+    records = [RankStep((1.0, 20.0, 30.5, 2.0, 4.0), (3.0, 9.0)), None, RankStep((1e6,) * 5)]
+    for rank, record in enumerate(records):
+        values = torch.zeros(width * world, dtype=dtype)
+        TimingSlots(values, rank, buckets).write(record)
+        summed += values
+    got = decode(summed.double().tolist(), world)
+    assert got[1] is None
+    assert got[0] is not None and got[2] is not None
+    assert got[0].phases == pytest.approx(records[0].phases, rel=1e-2)
+    assert got[0].launches[:2] == pytest.approx((3.0, 9.0), rel=1e-2)
+    assert got[0].launches[2:] == (0.0,) * (MAX_LAUNCHES - 2)  # not known
+    assert max(got[2].phases) <= LIMIT_MS * 1.01  # clamped to what fp16 holds
+
+
+def _record(forward: float, data: float = 2.0, launch: float = 10.0) -> RankStep:
+    # The interval is the same on every rank: what one rank spends more, it waits less.
+    busy = data + forward + 30.0 + 3.0
+    return RankStep((data, forward, 30.0, 3.0, 100.0 - busy), (launch, launch + 5.0))
+
+
+def _window(steps: int, late_rank: int | None, late_ms: float, seed: int = 0) -> list:
+    noise = random.Random(seed)
+    window = []
+    for s in range(steps):
+        recs = []
+        for r in range(4):
+            jitter = noise.uniform(-1.0, 1.0)
+            extra = late_ms if r == late_rank else 0.0
+            recs.append(_record(20.0 + jitter + extra, launch=10.0 + jitter + extra))
+        window.append((s, recs))
+    return window
+
+
+def test_a_rank_late_in_its_forward_is_named_with_what_it_cost() -> None:
+    report = attribute(_window(10, late_rank=3, late_ms=40.0))
+    [named] = report["stragglers"]
+    assert (named["rank"], named["phase"], named["last_in"], named["of"]) == (3, "forward", 10, 10)
+    assert named["late_ms"] == pytest.approx(40.0, abs=1.5)
+    assert named["job_lost_pct"] == pytest.approx(40.0, abs=2.0)  # of a 100 ms interval
+    assert report["ranks"][3]["bucket_late_ms"] == pytest.approx([40.0, 40.0], abs=2.5)
+    assert describe(report) == [
+        f"gradsync: rank 3 was last to arrive in 10 of the last 10 steps, "
+        f"+{named['late_ms']:.1f} ms/step, in the forward (the job lost "
+        f"{named['job_lost_pct']:.0f}% of its time waiting for it)"
+    ]
+
+
+def test_noise_and_a_late_rank_below_the_threshold_name_nobody() -> None:
+    assert attribute(_window(10, late_rank=None, late_ms=0.0))["stragglers"] == []
+    # 4 ms late per step: under the 5 ms floor (5 % of 100 ms is 5 ms too)
+    assert attribute(_window(10, late_rank=1, late_ms=4.0))["stragglers"] == []
+    assert attribute(_window(10, late_rank=1, late_ms=4.0), Thresholds(min_late_ms=2.0,
+                     min_late_fraction=0.0))["stragglers"][0]["rank"] == 1  # fmt: skip
+
+
+def test_a_rank_late_in_only_a_few_steps_is_not_named() -> None:
+    window = _window(10, late_rank=None, late_ms=0.0)
+    for s in (2, 7):  # one 200 ms hiccup in two of ten steps: on average 40 ms late
+        recs = list(window[s][1])
+        recs[2] = _record(220.0)
+        window[s] = (s, recs)
+    assert attribute(window)["stragglers"] == []
+
+
+def test_a_rank_that_sent_no_record_is_left_out() -> None:
+    window = [(s, [*recs[:3], None]) for s, recs in _window(10, late_rank=1, late_ms=30.0)]
+    report = attribute(window)
+    assert [s["rank"] for s in report["stragglers"]] == [1]
+    assert 3 not in report["ranks"]
+    assert attribute([(0, [_record(20.0), None])])["num_steps"] == 0  # one rank: no comparison
+
+
+def test_metrics_are_flat_numbers() -> None:
+    flat = metrics(attribute(_window(10, late_rank=3, late_ms=40.0)))
+    assert flat["gradsync/stragglers"] == 1.0
+    assert flat["gradsync/rank3/late_ms"] == pytest.approx(40.0, abs=1.5)
+    assert all(isinstance(v, float) for v in flat.values())
+
+
+def test_straggler_every_zero_measures_and_carries_nothing(one_rank: None) -> None:
+    net = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+    on = gradsync.DistributedDataParallel(net, straggler_every=3)
+    off = gradsync.DistributedDataParallel(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1)),
+                                           straggler_every=0)  # fmt: skip
+    for model in (on, off):
+        for _ in range(4):
+            model(torch.ones(2, 4)).sum().backward()
+    tags = 5  # one rank's step tag
+    assert off.reducer.buckets[0].tags.numel() == tags
+    assert on.reducer.buckets[0].tags.numel() == tags + fields_per_rank(on.num_buckets)
+    assert not off.timeline.history and len(on.timeline.history) == 2  # one step behind
+    with pytest.raises(gradsync.UsageError, match="straggler_every"):
+        gradsync.DistributedDataParallel(nn.Linear(2, 2), straggler_every=-1)
+
+
+def test_a_timeline_on_its_own_keeps_the_last_steps() -> None:
+    timeline = StepTimeline(2, rank=0, world_size=2, device=torch.device("cpu"), keep=3)
+    width = fields_per_rank(1)
+    for step in range(6):
+        values = [0.0] * (2 * width)
+        values[0], values[width] = 1.0, 1.0
+        timeline.received(values, step)
+    assert [s for s, _ in timeline.history] == [2, 3, 4]
+    assert timeline.last_report is not None and timeline.last_report["num_steps"] == 2
