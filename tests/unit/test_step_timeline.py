@@ -220,3 +220,60 @@ def test_a_timeline_on_its_own_keeps_the_last_steps() -> None:
         timeline.received(values, step)
     assert [s for s, _ in timeline.history] == [2, 3, 4]
     assert timeline.last_report is not None and timeline.last_report["num_steps"] == 2
+
+
+def test_a_closure_inside_the_optimizer_step_counts_as_forward_and_backward() -> None:
+    # Lightning's automatic optimization: optimizer.step(closure) runs forward and backward
+    # (which synchronises) inside the step; the update after it is the optimizer's.
+    clock = ScriptedClock()
+    rec = PhaseRecorder(clock)
+    t = _step(rec, clock, 0.0)
+    param = nn.Parameter(torch.zeros(1))
+
+    def closure() -> torch.Tensor:
+        _step(rec, clock, clock.now * 1e3)  # 2 ms data, 3 forward, 5 backward, 4 exposed
+        return torch.zeros(())
+
+    class Slow(torch.optim.SGD):
+        def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+            closure()
+            clock.now += 0.006  # the update itself
+            return super().step()
+
+    opt = Slow([param], lr=0.1)
+    _at(clock, t + 1)
+    opt.step(closure)
+    _step(rec, clock, clock.now * 1e3)  # the next step, with the closure's sync behind it
+    got = rec.resolve()
+    assert got is not None
+    assert got["optimizer"] == pytest.approx(6.0)  # after the closure's sync: the update
+    assert got["forward"] == pytest.approx(3.0) and got["backward"] == pytest.approx(5.0)
+
+
+def test_an_optimizer_step_that_raised_does_not_stop_the_timing_of_later_ones() -> None:
+    clock = ScriptedClock()
+    rec = PhaseRecorder(clock)
+    t = _step(rec, clock, 0.0)
+
+    class Failing(torch.optim.SGD):
+        fail = True
+
+        def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+            clock.now += 0.005
+            if self.fail:
+                raise RuntimeError("boom")  # torch's post hook never runs
+            return super().step(closure)
+
+    opt = Failing([nn.Parameter(torch.zeros(1))], lr=0.1)
+    _at(clock, t + 1)
+    with pytest.raises(RuntimeError):
+        opt.step()
+    for _ in range(2):
+        t = _step(rec, clock, clock.now * 1e3)
+    rec.resolve()
+    Failing.fail = False
+    _at(clock, t + 1)
+    opt.step()  # 5 ms, timed again
+    _step(rec, clock, clock.now * 1e3 - 2)
+    got = rec.resolve()
+    assert got is not None and got["optimizer"] == pytest.approx(5.0)

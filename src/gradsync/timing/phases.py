@@ -7,7 +7,8 @@ exchanging a single timestamp, and the time from one step's end to the next (the
 about the same on every rank. Each rank cuts its interval into:
 
 - ``optimizer``: inside any ``torch.optim.Optimizer.step`` (torch's global step hooks), the
-  outermost call only (a sharded or fp32-master optimizer steps an inner one);
+  outermost call only (a sharded or fp32-master optimizer steps an inner one), less the
+  forwards and backwards a closure runs inside it (Lightning's automatic optimization);
 - ``forward``: inside the wrapper's training forwards;
 - ``backward``: from the end of each training forward to the end of its backward's
   computation (the loss is computed in between; it is the backward's input);
@@ -77,11 +78,14 @@ class PhaseRecorder:
         self._last_exposed_began: Any = None
         self._optimizer_began: Any = None
         self._optimizer = 0  # id() of the optimizer whose step is being timed (the outermost)
+        self._optimizer_depth = 0  # its step's calls in progress (a subclass calls super().step)
+        self._optimizer_since = 0  # the interval in which that step began
+        self._intervals = 0  # synchronised steps seen
         _listen(self)
 
     def forward_began(self) -> None:
         self._forward_began = self.clock.mark()
-        self._forward_ended = self._optimizer_began = None  # (an optimizer step that raised)
+        self._forward_ended = None
 
     def forward_ended(self) -> None:
         if self._forward_began is not None:
@@ -105,11 +109,20 @@ class PhaseRecorder:
         self._launches[bucket] = self.clock.mark()
 
     def optimizer_began(self, optimizer: object) -> None:
-        if self._optimizer_began is None:  # not inside another optimizer's step
+        # A step begun two intervals ago never ended: it raised (its post hook never ran).
+        if self._optimizer_began is not None and self._intervals - self._optimizer_since > 1:
+            self._optimizer_began = None
+        if self._optimizer_began is None:  # the outermost step
             self._optimizer_began, self._optimizer = self.clock.mark(), id(optimizer)
+            self._optimizer_since, self._optimizer_depth = self._intervals, 0
+        if id(optimizer) == self._optimizer:  # also its own super().step() inside it
+            self._optimizer_depth += 1
 
     def optimizer_ended(self, optimizer: object) -> None:
-        if self._optimizer_began is not None and id(optimizer) == self._optimizer:
+        if self._optimizer_began is None or id(optimizer) != self._optimizer:
+            return
+        self._optimizer_depth -= 1
+        if self._optimizer_depth == 0:
             self._spans.append(("optimizer", self._optimizer_began, self.clock.mark()))
             self._optimizer_began = None
 
@@ -117,6 +130,7 @@ class PhaseRecorder:
         """The step's collectives are done (on CUDA: the stream has waited for them): the
         interval ends here and the next begins. Resolved by :meth:`resolve` after the readout."""
         now = self.clock.mark()
+        self._intervals += 1
         if self._start is not None and self._last_exposed_began is not None:
             self._spans.append(("exposed_comm", self._last_exposed_began, now))
             self._closed = (self._start, self._spans, self._launches)
@@ -138,9 +152,15 @@ class PhaseRecorder:
         self._closed = None
         offset = self.clock.elapsed_ms
         total = offset(start, self._end)
+        # Milliseconds from the start; a step whose closure synchronised began before it.
+        at = [(phase, max(0.0, offset(start, b)), offset(start, e)) for phase, b, e in spans]
+        others = [(b, e) for phase, b, e in at if phase != "optimizer"]
         sums = dict.fromkeys(PHASES, 0.0)
-        for phase, begin, end in spans:
-            sums[phase] += offset(begin, end)
+        for phase, begin, end in at:
+            inside = 0.0  # forwards and backwards that ran inside an optimizer step (a closure)
+            if phase == "optimizer":
+                inside = sum(max(0.0, min(end, e) - max(begin, b)) for b, e in others)
+            sums[phase] += max(0.0, end - begin - inside)
         sums["data"] = max(0.0, total - sum(sums[p] for p in _COMPUTED))
         order = sorted(launches)
         times = tuple(
@@ -152,7 +172,7 @@ class PhaseRecorder:
 
 # The optimizer's step is timed with torch's global step hooks, installed with the first
 # recorder, which tell every live recorder (a process usually has one wrapper). A step that
-# raises never reaches the post hook: the next training forward forgets it.
+# raises never reaches the post hook: the same optimizer's next step starts over.
 _live: weakref.WeakSet[PhaseRecorder] = weakref.WeakSet()
 
 
