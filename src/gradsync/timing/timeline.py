@@ -88,7 +88,7 @@ class StepTimeline:
 
     def report(self, last: int | None = None) -> dict[str, Any]:
         """The straggler report of the last ``last`` steps (default: ``every``) as plain data:
-        ``stragglers`` (rank, phase, last_in, of, late_ms, job_lost_pct), ``step_ms``,
+        ``stragglers`` (rank, phase, late_in, of, late_ms, job_lost_pct), ``step_ms``,
         ``threshold_ms`` and, per rank, its mean phases and lateness (``ranks``)."""
         window = list(self.history)[-(last or self.every or len(self.history)) :]
         return attribute(window, self.thresholds)
