@@ -39,7 +39,7 @@ def _at(clock: ScriptedClock, t_ms: float) -> None:
 
 def _step(rec: PhaseRecorder, clock: ScriptedClock, t0: float, micro: int = 1) -> float:
     """One synchronised step starting at ``t0`` ms: per micro-batch 2 ms of data, 3 ms forward,
-    5 ms backward; the last reduces (1 ms launch, 4 ms exposed); then a 2 ms optimizer step."""
+    5 ms backward; the last reduces (its bucket launched 1 ms into backward, 4 ms exposed)."""
     t = t0
     for m in range(micro):
         t += 2
@@ -294,3 +294,13 @@ def test_a_rank_waiting_for_the_straggler_in_another_collective_is_named_beside_
     assert named == {(0, "data"), (5, "optimizer")}
     three = [(s, [recs[0], recs[1], recs[5]]) for s, recs in window]
     assert attribute(three)["stragglers"] == []  # two of three late: the median rank is late
+
+
+def test_slots_that_were_not_written_by_one_rank_alone_are_not_reported() -> None:
+    width = fields_per_rank(1)
+    good = [1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0]
+    assert len(good) == width
+    doubled = [2.0 * v for v in good]  # summed twice: the flag says so
+    huge = [1.0, 1e9, 3.0, 4.0, 5.0, 6.0, 7.0]
+    got = decode([*good, *doubled, *huge], 3)
+    assert got[0] is not None and got[1] is None and got[2] is None

@@ -57,7 +57,9 @@ def decode(values: Sequence[float], world_size: int) -> list[RankStep | None]:
     records: list[RankStep | None] = []
     for r in range(world_size):
         raw = values[r * width : (r + 1) * width]
-        if not raw or raw[0] < 0.5:
+        # A flag of exactly 1 and values within the limit: anything else was not written by one
+        # rank alone (a hook that does not sum exactly), and is not reported.
+        if not raw or round(raw[0]) != 1 or max(raw) > LIMIT_MS * 1.01 or min(raw) < 0:
             records.append(None)
             continue
         phases = tuple(float(v) for v in raw[1 : 1 + len(PHASES)])
