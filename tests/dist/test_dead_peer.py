@@ -24,6 +24,7 @@ import torch.distributed as dist
 from test_behaviour import error_text
 
 import gradsync
+from gradsync.checkpoint import Checkpointer
 from gradsync.failfast.arrivals import ArrivalRecords
 from gradsync.failfast.liveness import Fate, ProcessId, process_state, roll_call, this_process
 from gradsync.testing.spawn import RankFailure, spawn
@@ -147,6 +148,37 @@ def test_a_dead_rank_that_served_the_store_is_named_without_it() -> None:
         assert "lost a peer" in text and "the c10d store failed" in text, (rank, text)
         assert re.search(r"rank 0 is gone \(its process \d+ on host \S+ has exited\)", text), text
         assert waited < DEADLINE, (rank, waited, text)
+
+
+def _die_before_saving(rank: int, world: int, folder: str) -> tuple[str | None, float]:
+    """Two steps and a save; then ``CULPRIT`` dies while the others check the next save."""
+    ddp = gradsync.DistributedDataParallel(toy.make_model("plain", 0), timeout=DEADLINE)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    ckpt = Checkpointer(folder, model=ddp, optimizer=opt, timeout=DEADLINE)
+    _step(ddp, rank, world, 0)
+    opt.step()
+    ckpt.save(1)
+    if rank == CULPRIT:
+        _die("sigkill")
+    t0 = time.monotonic()
+    return error_text(lambda: ckpt.save(2)), time.monotonic() - t0
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_that_dies_during_a_checkpoint_is_named_by_the_others(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    # The checkpointer's own agreement collectives run under its deadline too: a bare gloo
+    # "Connection reset by peer" was all the survivors of a lost node saw before.
+    results = spawn(
+        _die_before_saving, WORLD, (str(tmp_path / "ckpt"),), return_failures=True, timeout_s=90
+    )
+    assert isinstance(results[CULPRIT], RankFailure), results[CULPRIT]
+    for rank in range(WORLD):
+        if rank != CULPRIT:
+            text, waited = results[rank]
+            assert text and text.startswith("CollectiveTimeoutError"), (rank, text)
+            assert "the check before saving step 2" in text, (rank, text)
+            assert re.search(rf"rank {CULPRIT}\b.*its process \d+ on host \S+ is gone", text), text
+            assert waited < DEADLINE + 3, (rank, waited, text)
 
 
 # -- the roll call, in this process ---------------------------------------------------------------

@@ -38,8 +38,7 @@ from gradsync.checkpoint.folder import (
 from gradsync.checkpoint.loadable import check_loadable
 from gradsync.checkpoint.state import TrainingObjects, mismatches, refuse_resize, snapshot
 from gradsync.errors import CheckpointError, ProtocolError, UsageError
-from gradsync.failfast.deadline import as_timedelta
-from gradsync.failfast.group import private_group
+from gradsync.failfast.deadline import Deadline, as_timedelta
 from gradsync.optim.master import MasterWeights
 
 
@@ -77,7 +76,10 @@ class Checkpointer:
         self.objects = TrainingObjects(model, optimizer, lr_scheduler, sampler)
         self.keep = keep
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
-        self._group = private_group(None, as_timedelta(timeout), backend="gloo")
+        # Its own gloo group (DCP writes from CPU whatever training uses), under a deadline:
+        # a rank that dies or never comes is named, as in the wrapper's collectives.
+        self._deadline = _new_deadline(as_timedelta(timeout))
+        self._group = self._deadline.group
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._staging: Any = None  # the last async snapshot, refilled by the next one
@@ -89,7 +91,17 @@ class Checkpointer:
                     "(the job was stopped while writing it)",
                     stacklevel=2,
                 )
-        dist.barrier(group=self._group)
+        self._agree("the construction of a Checkpointer")
+
+    def _agree(self, what: str) -> None:
+        """Every rank reaches ``what`` (a barrier under the deadline)."""
+        self._deadline.begin(what)
+        self._deadline.all_reduce(torch.zeros(1), what)
+
+    def _gather(self, obj: Any, what: str) -> list[Any]:
+        """Every rank's ``obj`` (``all_gather_object`` under the deadline)."""
+        self._deadline.begin(what)
+        return self._deadline.gather_objects(obj, what)
 
     def _claim_folder(self) -> None:
         """Rank 0 takes the folder for this job; a folder another job holds is refused on
@@ -103,10 +115,9 @@ class Checkpointer:
                 weakref.finalize(self, owner.release, lock)
             except CheckpointError as exc:
                 problem = str(exc).removeprefix("gradsync: ")
-        verdict = [problem]
-        dist.broadcast_object_list(verdict, src=0, group=self._group)
-        if verdict[0] is not None:
-            raise CheckpointError(verdict[0])
+        verdict = self._gather(problem, f"the claim of {self.folder.root} by rank 0")[0]
+        if verdict is not None:
+            raise CheckpointError(verdict)
 
     # -- saving ---------------------------------------------------------------------------
     def save(self, step: int) -> Path:
@@ -156,8 +167,7 @@ class Checkpointer:
             check_loadable(state, f"checkpoint of step {step}", key="state", any_tensor=True)
         except (UsageError, ProtocolError) as exc:
             problem = f"rank {self.rank}: {str(exc).removeprefix('gradsync: ')}"
-        problems: list[str | None] = [None] * self.world_size
-        dist.all_gather_object(problems, problem, group=self._group)
+        problems = self._gather(problem, f"the check before saving step {step}")
         found = [p for p in problems if p]
         if found:
             raise UsageError("nothing was saved: " + "; ".join(found))
@@ -170,15 +180,14 @@ class Checkpointer:
         # Every rank has written its file and rank 0 the metadata: hash them in parallel.
         names = [p.name for p in partial.iterdir()]
         mine = {n: digest(partial / n) for n in my_share(names, self.rank, self.world_size)}
-        shares: list[dict[str, Any]] = [{}] * self.world_size
-        dist.all_gather_object(shares, mine, group=self._group)
-        outcome: list[Any] = [None]
+        shares = self._gather(mine, f"the file hashes of step {step}")
+        outcome = None
         if self.rank == 0:
-            outcome[0] = self._commit(partial, step, {k: v for s in shares for k, v in s.items()})
-        dist.broadcast_object_list(outcome, src=0, group=self._group)
-        if outcome[0].startswith("error: "):
-            raise CheckpointError(f"checkpoint of step {step} was not committed: {outcome[0]}")
-        return Path(outcome[0])
+            outcome = self._commit(partial, step, {k: v for s in shares for k, v in s.items()})
+        outcome = self._gather(outcome, f"the commit of step {step}")[0]
+        if outcome.startswith("error: "):
+            raise CheckpointError(f"checkpoint of step {step} was not committed: {outcome}")
+        return Path(outcome)
 
     def _commit(self, partial: Path, step: int, files: dict[str, Any]) -> str:
         try:
@@ -204,10 +213,10 @@ class Checkpointer:
             if problems:
                 raise CheckpointError("\n".join(problems))
             return self._load(Path(path))
-        entries: list[Any] = [self.folder.committed() if self.rank == 0 else None]
-        dist.broadcast_object_list(entries, src=0, group=self._group)
+        mine = self.folder.committed() if self.rank == 0 else None
+        entries = self._gather(mine, "the list of committed checkpoints")[0]
         skipped: list[str] = []
-        for entry in entries[0]:
+        for entry in entries:
             problems = self._verify(entry.path)
             if not problems:
                 return self._load(entry.path)
@@ -230,8 +239,7 @@ class Checkpointer:
             problems = check_files(path, files, my_share(list(files), self.rank, self.world_size))
         except ValueError as exc:
             problems = [str(exc)]
-        gathered: list[list[str]] = [[] for _ in range(self.world_size)]
-        dist.all_gather_object(gathered, problems, group=self._group)
+        gathered = self._gather(problems, f"the verification of {path}")
         return sorted({p for ps in gathered for p in ps})
 
     def _load(self, path: Path) -> int:
@@ -245,8 +253,7 @@ class Checkpointer:
         saved_keys = metadata.state_dict_metadata
         template = self.objects.state_dict(self.rank, saved_keys, resized=resized)
         problems = mismatches(template, metadata)
-        gathered: list[list[str]] = [[] for _ in range(self.world_size)]
-        dist.all_gather_object(gathered, problems, group=self._group)
+        gathered = self._gather(problems, f"the check before loading {path}")
         if any(gathered):
             found = next(p for p in gathered if p)
             raise CheckpointError(
@@ -265,3 +272,14 @@ class Checkpointer:
                 stacklevel=3,
             )
         return step
+
+
+_num_checkpointers = 0  # built in this process: the same sequence on every rank
+
+
+def _new_deadline(timeout: timedelta) -> Deadline:
+    """The deadline (and private gloo group) of the next Checkpointer built in this process."""
+    global _num_checkpointers
+    _num_checkpointers += 1
+    name = f"Checkpointer #{_num_checkpointers}"
+    return Deadline.for_group(None, timeout, name, backend="gloo")

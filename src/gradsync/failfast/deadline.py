@@ -109,6 +109,7 @@ class Deadline:
         timeout: timedelta,
         namespace: str,
         device: torch.device | None = None,
+        backend: str | None = None,
     ) -> Deadline:
         """A deadline for gradsync's collectives over ``group``'s ranks, on a private group
         (``group.py``) created once every rank has arrived: the arrival is checked through the
@@ -129,7 +130,7 @@ class Deadline:
                 f"{arrivals.describe_missing(1)}. {_CULPRITS}"
             )
         try:
-            group = private_group(group, timeout)
+            group = private_group(group, timeout, backend)
         except RuntimeError as exc:  # a rank died between arriving and connecting
             raise CollectiveTimeoutError(
                 f"rank {arrivals.rank} could not connect gradsync's process group for "
