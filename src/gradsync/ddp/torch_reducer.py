@@ -3,18 +3,21 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from gradsync.errors import ProtocolError
 
 
 class TorchReducerMethods:
-    """Mixed into the reducer; what they change goes through the reducer's own methods."""
+    """Mixed into the reducer; what they change goes through the reducer's own methods
+    (``unprepared`` and ``decide``, declared here for the type checker only)."""
 
-    @property
-    def unprepared(self) -> bool:
-        raise NotImplementedError
+    if TYPE_CHECKING:
 
-    def decide(self, sync: bool) -> None:
-        raise NotImplementedError
+        @property
+        def unprepared(self) -> bool: ...
+
+        def decide(self, sync: bool) -> None: ...
 
     def prepare_for_backward(self, outputs: object = ()) -> None:
         """torch's meaning: the backward of the forward just run synchronises, even though that

@@ -37,7 +37,7 @@ from torch.optim.optimizer import (
 from gradsync.timing.clock import DeviceClock, HostClock
 
 PHASES = ("data", "forward", "backward", "optimizer", "exposed_comm")
-_COMPUTED = {"forward", "backward", "optimizer", "exposed_comm"}  # "data" is what is left
+_COMPUTED = tuple(p for p in PHASES if p != "data")  # "data" is what is left
 
 
 @dataclass(frozen=True)
