@@ -59,7 +59,7 @@ def _time_steps(ddp: Any, opt: Any, cfg: Any, args: argparse.Namespace, seed: in
 def worker(args: argparse.Namespace) -> None:
     import torch.distributed as dist
 
-    from gradsync.ddp import autotune
+    from gradsync.ddp.replan import autotune
     from gradsync.testing.gpt import GPTConfig
 
     dist.init_process_group("gloo", timeout=timedelta(seconds=300))

@@ -16,9 +16,9 @@ import torch
 import torch.distributed as dist
 
 import gradsync
-from gradsync.ddp import autotune
-from gradsync.ddp.autoplan import CostModel
 from gradsync.ddp.plan import SCALED_MIN_MB
+from gradsync.ddp.replan import autotune
+from gradsync.ddp.replan.autoplan import CostModel
 from gradsync.errors import UsageError
 from gradsync.testing.spawn import spawn
 

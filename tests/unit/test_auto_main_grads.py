@@ -15,8 +15,8 @@ import torch
 from torch import nn
 
 import gradsync
-from gradsync.ddp import autotune
-from gradsync.ddp.autoplan import CostModel
+from gradsync.ddp.replan import autotune
+from gradsync.ddp.replan.autoplan import CostModel
 
 STEPS = autotune.WARMUP_STEPS + autotune.PROFILE_STEPS + 2 * autotune.TRIAL_STEPS + 2
 

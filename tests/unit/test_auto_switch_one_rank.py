@@ -21,8 +21,8 @@ import torch
 from torch import nn
 
 import gradsync
-from gradsync.ddp import autotune
-from gradsync.ddp.autoplan import CostModel
+from gradsync.ddp.replan import autotune
+from gradsync.ddp.replan.autoplan import CostModel
 from gradsync.errors import ParametersChangedError
 from gradsync.optim import MasterWeights
 

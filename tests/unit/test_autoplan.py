@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gradsync.ddp.autoplan import CostModel, choose_plan, fit_cost, predict_end
 from gradsync.ddp.plan import MB, plan_buckets
+from gradsync.ddp.replan.autoplan import CostModel, choose_plan, fit_cost, predict_end
 
 F32 = torch.float32
 # A model of 8 parameters of 1 MiB each (fp32); in backward the last one is ready first.

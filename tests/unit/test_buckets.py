@@ -12,6 +12,7 @@ from torch import nn
 import gradsync
 from gradsync.comm.formats import wire_bytes
 from gradsync.ddp.buckets import Bucket
+from gradsync.ddp.compat.state_keys import strip_prefixes
 from gradsync.ddp.plan import (
     MB,
     cap_to_bytes,
@@ -20,7 +21,6 @@ from gradsync.ddp.plan import (
     resolve_cap,
     scaled_cap_mb,
 )
-from gradsync.ddp.state_keys import strip_prefixes
 
 F32 = torch.float32
 

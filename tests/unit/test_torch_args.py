@@ -18,7 +18,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import gradsync
-from gradsync.ddp import torch_args, torch_surface
+from gradsync.ddp.compat import torch_args, torch_surface
 
 GRADSYNC_OWN = [
     "first_bucket_cap_mb", "reduction", "algorithm", "compression", "timeout", "check_finite",
@@ -190,7 +190,7 @@ def test_torchs_ignore_list_is_honoured(one_rank) -> None:  # type: ignore[no-un
 
 
 def test_inputs_go_to_the_replicas_device() -> None:
-    from gradsync.ddp.torch_args import to_device
+    from gradsync.ddp.compat.torch_args import to_device
 
     x = torch.ones(2)
     args, kwargs = to_device(((x, [x], 3), {"y": x, "z": "text"}), torch.device("meta"))

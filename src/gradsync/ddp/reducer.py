@@ -41,11 +41,11 @@ from gradsync.ddp.checks.verdicts import (
     gradient_without_forward,
     judge,
 )
+from gradsync.ddp.compat.torch_reducer import TorchReducerMethods
 from gradsync.ddp.main_grads import start_window
 from gradsync.ddp.options import SyncOptions
 from gradsync.ddp.plan import BucketSpec
 from gradsync.ddp.reduction import Reduction
-from gradsync.ddp.torch_reducer import TorchReducerMethods
 from gradsync.errors import GradsyncError, NonFiniteGradientError, ProtocolError
 from gradsync.failfast.deadline import Deadline
 from gradsync.mesh.dtensors import GradLayout

@@ -23,22 +23,23 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 from gradsync.comm import AllReduceAlgorithm, CommHook, torch_hooks
 from gradsync.comm.formats import Compression, describe_compression, make_comm_hook, wire_bytes
-from gradsync.ddp import sharding, torch_args
-from gradsync.ddp.autoplan import BucketPlan
-from gradsync.ddp.autotune import AutoBuckets
+from gradsync.ddp import sharding
 from gradsync.ddp.checks.diagnostics import check_can_wrap, check_replicas, warn_if_same_batch
 from gradsync.ddp.checks.model import check_same_model, describe, refuse_everywhere
 from gradsync.ddp.checks.param_watch import ParameterWatch
+from gradsync.ddp.compat import torch_args
+from gradsync.ddp.compat.state_keys import refuse_mid_step, refuse_unloadable, strip_prefixes
+from gradsync.ddp.compat.torch_args import Device
+from gradsync.ddp.compat.torch_surface import TorchSurface
 from gradsync.ddp.join import JoinProtocol, JoinRounds
 from gradsync.ddp.main_grads import check_main_grad_dtype
 from gradsync.ddp.options import Setting, SyncOptions
 from gradsync.ddp.plan import BucketSpec, cap_to_bytes, plan_buckets, resolve_cap
 from gradsync.ddp.reducer import Reducer
 from gradsync.ddp.reduction import Reduction
-from gradsync.ddp.state_keys import refuse_mid_step, refuse_unloadable, strip_prefixes
-from gradsync.ddp.torch_args import Device
-from gradsync.ddp.torch_surface import TorchSurface
-from gradsync.ddp.unused_last import UnusedLast
+from gradsync.ddp.replan.autoplan import BucketPlan
+from gradsync.ddp.replan.autotune import AutoBuckets
+from gradsync.ddp.replan.unused_last import UnusedLast
 from gradsync.errors import GradsyncError, ProtocolError, UsageError
 from gradsync.failfast.deadline import as_timedelta, new_wrapper_deadline
 from gradsync.mesh.axes import axis_names, data_parallel_group

@@ -68,7 +68,8 @@ import torch
 import torch.distributed as dist
 from torch.utils.hooks import RemovableHandle
 
-from gradsync.ddp.autoplan import (
+from gradsync.ddp.plan import BucketSpec, grad_bytes
+from gradsync.ddp.replan.autoplan import (
     CANDIDATE_CAPS_MB,
     BucketPlan,
     choose_plan,
@@ -76,7 +77,6 @@ from gradsync.ddp.autoplan import (
     fit_cost,
     predict_end,
 )
-from gradsync.ddp.plan import BucketSpec, grad_bytes
 from gradsync.failfast.deadline import Deadline
 
 if TYPE_CHECKING:
