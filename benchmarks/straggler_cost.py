@@ -53,13 +53,15 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import gradsync
+from gradsync.ddp.tail import TailLayout
 from gradsync.testing.gpt import GPT, GPTConfig, lm_loss
 from gradsync.testing.spawn import spawn
 from gradsync.timing import RankStep, StepTimeline, Thresholds
+from gradsync.timing import slots as timing_slots
 from gradsync.timing.attribution import attribute
 from gradsync.timing.clock import HostClock
 from gradsync.timing.phases import PHASES, PhaseRecorder, _post_step, _pre_step
-from gradsync.timing.slots import TimingSlots, decode
+from gradsync.timing.slots import decode, encode
 
 ON, OFF, TORCH = "gradsync, timeline on (every 10)", "gradsync, timeline off", "torch DDP"
 OFF2 = "gradsync, timeline off (2nd copy)"  # --control: what two identical variants differ by
@@ -213,11 +215,16 @@ def micro(num_buckets: int, every: int, repeats: int) -> list[tuple[str, float, 
 
     for world in (3, 64):
         width = 1 + len(PHASES) + num_buckets
-        values = torch.zeros(width * world, dtype=torch.float64)
-        slots = TimingSlots(values, 1, num_buckets)
+        tail = TailLayout(world, 1)
+        tail.register(timing_slots.RIDER, width)
+        tail.bind(torch.zeros(width * world, dtype=torch.float64))
         record = _records(1, num_buckets, rng)[0]
-        med, best = _best_us(lambda s=slots, r=record: s.write(r), 2000, repeats)
-        rows.append((f"TimingSlots.write (world {world})", med, best, 1))
+
+        def write(t: TailLayout = tail, r: RankStep = record) -> None:
+            t.write({timing_slots.RIDER: encode(r, num_buckets)})
+
+        med, best = _best_us(write, 2000, repeats)
+        rows.append((f"encode + TailLayout.write (world {world})", med, best, 1))
         flat = [float(v) for rec_ in _records(world, num_buckets, rng) if rec_ is not None
                 for v in (1.0, *rec_.phases, *rec_.launches)]  # fmt: skip
         med, best = _best_us(lambda f=flat, w=world: decode(f, w), 500, repeats)

@@ -29,14 +29,12 @@ def compared(monkeypatch) -> list[tuple[bool, results.StepReadout]]:  # type: ig
         reads.append(1)
         return real_read(*args)
 
-    def both(buckets, check_finite, reduction, world_size, used, tag_slots, timing_slots):  # type: ignore[no-untyped-def]
+    def both(buckets, check_finite, reduction, world_size, used, tail):  # type: ignore[no-untyped-def]
         before = len(reads)
-        got = results.read_step(
-            buckets, check_finite, reduction, world_size, used, tag_slots, timing_slots
-        )
+        got = results.read_step(buckets, check_finite, reduction, world_size, used, tail)
         from_device = len(reads) > before
         flat = real_read(buckets, check_finite, reduction)
-        read = results._parse(flat, buckets, check_finite, reduction, world_size)
+        read = results._parse(flat, buckets, check_finite, reduction, world_size, tail)
         # The step timeline's milliseconds went through the bucket's dtype on the device.
         assert got.timings == pytest.approx(read.timings, rel=1e-6)
         assert got._replace(timings=[]) == read._replace(timings=[])

@@ -14,10 +14,13 @@ import torch
 from torch import nn
 
 import gradsync
-from gradsync.timing import PHASES, RankStep, StepTimeline, Thresholds
+from gradsync.ddp.checks import tags
+from gradsync.ddp.checks.tags import StepTag
+from gradsync.ddp.tail import TailLayout
+from gradsync.timing import PHASES, RankStep, StepTimeline, Thresholds, slots
 from gradsync.timing.attribution import attribute, describe, metrics
 from gradsync.timing.phases import PhaseRecorder
-from gradsync.timing.slots import LIMIT_MS, MAX_LAUNCHES, TimingSlots, decode, fields_per_rank
+from gradsync.timing.slots import LIMIT_MS, MAX_LAUNCHES, decode, encode, fields_per_rank
 
 
 class ScriptedClock:
@@ -112,22 +115,58 @@ def test_a_step_that_raised_is_not_measured() -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_slots_carry_each_ranks_record_and_nothing_for_the_others(dtype: torch.dtype) -> None:
+    # Both riders of bucket 0's tail, as the reducer lays them out: every rank's step tag and
+    # timings come back from the sum, and a rank that sent none reads as None in both.
     world, buckets = 3, 40
     width = fields_per_rank(buckets)
     assert width == 1 + len(PHASES) + MAX_LAUNCHES
-    summed = torch.zeros(width * world, dtype=dtype)
     records = [RankStep((1.0, 20.0, 30.5, 2.0, 4.0), (3.0, 9.0)), None, RankStep((1e6,) * 5)]
-    for rank, record in enumerate(records):
-        values = torch.zeros(width * world, dtype=dtype)
-        TimingSlots(values, rank, buckets).write(record)
+    step_tags = [StepTag(7, 2, 1, 130, 3), None, StepTag(7, 2, 1, 130, 0)]
+    summed = torch.zeros(world * (tags.NUM_FIELDS + width), dtype=dtype)
+    for rank, (record, tag) in enumerate(zip(records, step_tags, strict=True)):
+        tail = TailLayout(world, rank)
+        tail.register(tags.RIDER, tags.NUM_FIELDS)
+        tail.register(slots.RIDER, width)
+        values = torch.full((tail.numel,), 5.0, dtype=dtype)  # stale: write() zeroes it
+        tail.bind(values)
+        tail.write({
+            tags.RIDER: tag.encode() if tag is not None else None,
+            slots.RIDER: encode(record, buckets) if record is not None else None,
+        })  # fmt: skip
         summed += values
-    got = decode(summed.double().tolist(), world)
+    riders = tail.split(summed.double().tolist())
+    assert tags.decode(riders[tags.RIDER], world) == [
+        StepTag(7, 2, 1, 130 % tags.MODULUS, 3),
+        None,
+        StepTag(7, 2, 1, 130 % tags.MODULUS, 0),
+    ]
+    got = decode(riders[slots.RIDER], world)
     assert got[1] is None
     assert got[0] is not None and got[2] is not None
     assert got[0].phases == pytest.approx(records[0].phases, rel=1e-2)
     assert got[0].launches[:2] == pytest.approx((3.0, 9.0), rel=1e-2)
     assert got[0].launches[2:] == (0.0,) * (MAX_LAUNCHES - 2)  # not known
     assert max(got[2].phases) <= LIMIT_MS * 1.01  # clamped to what fp16 holds
+
+
+def test_the_tail_is_laid_out_once_and_refuses_what_does_not_fit() -> None:
+    tail = TailLayout(world_size=2, rank=1)
+    first, second = tail.register("a", 2), tail.register("b", 3)
+    assert (first.offset, second.offset, tail.width, tail.numel) == (0, 2, 5, 10)
+    with pytest.raises(ValueError, match="twice"):
+        tail.register("a", 1)
+    with pytest.raises(ValueError, match="holds 9 values"):
+        tail.bind(torch.zeros(9))
+    values = torch.zeros(10)
+    tail.bind(values)
+    with pytest.raises(RuntimeError, match="after the tail was laid out"):
+        tail.register("c", 1)
+    with pytest.raises(ValueError, match="expected 3"):
+        tail.write({"b": [1.0]})
+    tail.write({"b": [1.0, 2.0, 3.0]})  # rank 1's record: the second half, after its "a"
+    assert values.tolist() == [0.0] * 7 + [1.0, 2.0, 3.0]
+    assert tail.written == [0.0, 0.0, 1.0, 2.0, 3.0]
+    assert tail.split(values.tolist()) == {"a": [0.0] * 4, "b": [0.0] * 3 + [1.0, 2.0, 3.0]}
 
 
 def _record(forward: float, data: float = 2.0, launch: float = 10.0) -> RankStep:
@@ -203,9 +242,9 @@ def test_straggler_every_zero_measures_and_carries_nothing(one_rank: None) -> No
     for model in (on, off):
         for _ in range(4):
             model(torch.ones(2, 4)).sum().backward()
-    tags = 5  # one rank's step tag
-    assert off.reducer.buckets[0].tags.numel() == tags
-    assert on.reducer.buckets[0].tags.numel() == tags + fields_per_rank(on.num_buckets)
+    one_tag = tags.NUM_FIELDS  # one rank's step tag
+    assert off.reducer.buckets[0].tail.numel() == one_tag
+    assert on.reducer.buckets[0].tail.numel() == one_tag + fields_per_rank(on.num_buckets)
     assert not off.timeline.history and len(on.timeline.history) == 2  # one step behind
     with pytest.raises(gradsync.UsageError, match="straggler_every"):
         gradsync.DistributedDataParallel(nn.Linear(2, 2), straggler_every=-1)

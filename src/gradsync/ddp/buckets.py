@@ -2,10 +2,10 @@
 and out of it.
 
 A bucket's buffer holds its gradients, then one used flag per parameter (see [Note: used
-flags] in ``reducer.py``) and, in the first bucket, every rank's step tag (see [Note: step
-tags] in ``checks/tags.py``). :class:`Bucket` copies each gradient in once its whole bucket has
-arrived; :class:`AccumulatingBucket` (``main_grad_dtype``) owns the gradients instead, adding
-each micro-batch's into its buffer as it arrives (see [Note: main gradients] in
+flags] in ``reducer.py``) and, in the first bucket, every rank's records of the step (see
+[Note: bucket 0's tail] in ``tail.py``). :class:`Bucket` copies each gradient in once its
+whole bucket has arrived; :class:`AccumulatingBucket` (``main_grad_dtype``) owns the gradients
+instead, adding each micro-batch's into its buffer as it arrives (see [Note: main gradients] in
 ``main_grads.py``).
 """
 
@@ -37,7 +37,7 @@ class Bucket:
         params: Sequence[nn.Parameter],
         *,
         as_view: bool = False,
-        num_tags: int = 0,
+        tail_numel: int = 0,
         layouts: Sequence[GradLayout | None] | None = None,
     ) -> None:
         self.spec = spec
@@ -47,10 +47,10 @@ class Bucket:
         device = self.params[0].device
         n_flags = len(params)
         n = spec.numel
-        self.buffer = torch.zeros(n + n_flags + num_tags, dtype=spec.dtype, device=device)
+        self.buffer = torch.zeros(n + n_flags + tail_numel, dtype=spec.dtype, device=device)
         self.grads = self.buffer[:n]
         self.used_flags = self.buffer[n : n + n_flags]
-        self.tags = self.buffer[n + n_flags :]  # see [Note: step tags]
+        self.tail = self.buffer[n + n_flags :]  # bucket 0 only: see [Note: bucket 0's tail]
         self.views = [
             self.buffer[off : off + local(p).numel()].view(local(p).shape)
             for off, p in zip(spec.offsets, self.params, strict=True)

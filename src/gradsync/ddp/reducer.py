@@ -32,9 +32,10 @@ from torch.utils.hooks import RemovableHandle
 
 from gradsync.comm import CommHook
 from gradsync.ddp.buckets import AccumulatingBucket, Bucket
+from gradsync.ddp.checks import tags
 from gradsync.ddp.checks.param_watch import ParameterWatch
 from gradsync.ddp.checks.readout import read_step, unused_somewhere
-from gradsync.ddp.checks.tags import NO_ITEMS, NUM_FIELDS, PARAMS_CHANGED, StepTag, TagSlots
+from gradsync.ddp.checks.tags import NO_ITEMS, PARAMS_CHANGED, StepTag
 from gradsync.ddp.checks.verdicts import (
     StepContext,
     gradient_twice,
@@ -46,11 +47,12 @@ from gradsync.ddp.main_grads import start_window
 from gradsync.ddp.options import SyncOptions
 from gradsync.ddp.plan import BucketSpec
 from gradsync.ddp.reduction import Reduction
+from gradsync.ddp.tail import TailLayout
 from gradsync.errors import GradsyncError, NonFiniteGradientError, ProtocolError
 from gradsync.failfast.deadline import Deadline
 from gradsync.mesh.dtensors import GradLayout
 from gradsync.optim.master import stamp_grads
-from gradsync.timing import StepTimeline
+from gradsync.timing import StepTimeline, slots
 from gradsync.timing.ranges import span
 
 # id(parameter) -> the live reducer whose hooks it carries. Wrapping parameters again retires
@@ -106,7 +108,10 @@ class Reducer(TorchReducerMethods):
         self.rank = deadline.rank
         self.layouts = list(layouts) or [None] * len(self.params)  # DTensors only
         self.main_grads = options.main_grads  # see [Note: main gradients] in main_grads.py
+        self.tail = self._tail_layout(timeline, len(specs))
         self.buckets = [self._bucket(b, spec) for b, spec in enumerate(specs)]
+        if self.buckets:
+            self.tail.bind(self.buckets[0].tail)
         self.location = {  # param index -> (bucket index, slot in bucket)
             i: (b, slot) for b, s in enumerate(specs) for slot, i in enumerate(s.param_indices)
         }
@@ -125,10 +130,6 @@ class Reducer(TorchReducerMethods):
         self._training_forward = False  # the last forward ran in training mode
         self._backward_began = False  # a gradient of the last forward's backward arrived
         self.changes: list[str] = []  # how the parameter set differs from wrapping time
-        tail = self.buckets[0].tags if self.buckets else None  # step tags, then timings
-        num_tags = NUM_FIELDS * self.world_size
-        self._tag_slots = TagSlots(tail[:num_tags], self.rank) if tail is not None else None
-        self._timings = timeline.slots(tail[num_tags:], len(specs)) if tail is not None else None
         self._hooks = self._take_over_parameters()
 
     def _bucket(self, b: int, spec: BucketSpec) -> Bucket:
@@ -136,11 +137,17 @@ class Reducer(TorchReducerMethods):
         return kind(
             spec, [self.params[i] for i in spec.param_indices],
             as_view=self.options.gradient_as_bucket_view,
-            num_tags=(  # [Note: step tags], then every rank's phases (timing/slots.py)
-                NUM_FIELDS * self.world_size + self.timeline.num_values(len(self.specs))
-            ) if b == 0 else 0,
+            tail_numel=self.tail.numel if b == 0 else 0,
             layouts=[self.layouts[i] for i in spec.param_indices],
         )  # fmt: skip
+
+    def _tail_layout(self, timeline: StepTimeline, num_buckets: int) -> TailLayout:
+        """What rides in bucket 0 after its used flags: [Note: bucket 0's tail] in tail.py."""
+        tail = TailLayout(self.world_size, self.rank)
+        tail.register(tags.RIDER, tags.NUM_FIELDS)  # [Note: step tags]
+        if timeline.enabled:  # every rank's phases of the last interval (timing/slots.py)
+            tail.register(slots.RIDER, timeline.width(num_buckets))
+        return tail
 
     def _take_over_parameters(self) -> list[RemovableHandle]:
         for p in self.params:
@@ -326,7 +333,7 @@ class Reducer(TorchReducerMethods):
         self.phase = _Phase.REDUCING
         self._scale = self._pre_division()
         self.deadline.begin(f"the gradient reduction of step {self.num_reductions}")
-        self._write_tag(contributes=True)
+        self._write_tail(contributes=True)
         self.reduction.start_item_exchange(contributes=True)
         # Runs once the whole backward pass has finished, on the engine's thread.
         torch.autograd.Variable._execution_engine.queue_callback(
@@ -337,18 +344,22 @@ class Reducer(TorchReducerMethods):
         ranks = self.world_size if self.by_world else self.num_active
         return self.reduction.pre_division(ranks, self.comm_hook.divides_by)
 
-    def _write_tag(self, contributes: bool) -> None:
-        self.timeline.write(self._timings, contributes)  # this rank's last interval, if any
-        if self._tag_slots is None:
+    def _write_tail(self, contributes: bool) -> None:
+        """This rank's records in bucket 0's tail; a rank that has joined sends none."""
+        if not self.buckets:
             return
-        tag = None
-        if contributes:
-            flags = PARAMS_CHANGED * bool(self.changes) | NO_ITEMS * self.reduction.missing_count
-            updates = self.watch.updates_since_wrapping()
-            tag = StepTag(
-                self.num_reductions, self.window_forwards, self.window_no_sync, updates, flags
-            )
-        self._tag_slots.write(tag)
+        if not contributes:
+            self.tail.write({})
+            return
+        flags = PARAMS_CHANGED * bool(self.changes) | NO_ITEMS * self.reduction.missing_count
+        updates = self.watch.updates_since_wrapping()
+        tag = StepTag(
+            self.num_reductions, self.window_forwards, self.window_no_sync, updates, flags
+        )
+        self.tail.write({
+            tags.RIDER: tag.encode(),
+            slots.RIDER: self.timeline.outgoing(len(self.specs)),  # the last interval, if any
+        })  # fmt: skip
 
     def _launch_ready_buckets(self) -> None:
         # In index order only; see [Note: when a bucket fires].
@@ -393,7 +404,7 @@ class Reducer(TorchReducerMethods):
         self.phase = _Phase.REDUCING
         self.used = [False] * len(self.params)
         self.deadline.begin(f"a join round (step {self.num_reductions}, out of data)")
-        self._write_tag(contributes=False)
+        self._write_tail(contributes=False)
         self.reduction.start_item_exchange(contributes=False)
         self._complete(shadow=True, write_back=write_back)
 
@@ -407,7 +418,7 @@ class Reducer(TorchReducerMethods):
             with span("step_checks"):
                 readout = read_step(
                     self.buckets, self.options.check_finite, self.reduction, self.world_size,
-                    self.used, self._tag_slots, self._timings,
+                    self.used, self.tail if self.buckets else None,
                 )  # fmt: skip
                 try:
                     judge(readout, self._step_context())

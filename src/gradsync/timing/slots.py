@@ -1,10 +1,10 @@
-"""Every rank's phases of the last interval, carried in the first bucket after the step tags.
+"""Every rank's phases of the last interval, carried in the first bucket beside the step tags.
 
-Like the step tags ([Note: step tags] in ``ddp/checks/tags.py``), each rank writes its own
-slots and zeros in everyone else's, so the bucket's sum hands every rank every rank's record
-with no collective of its own, and the step's readout reads them in the same device-to-host
-copy. A record is the interval *before* the step that carries it (the one being reduced is not
-over yet), so reports run one step behind.
+A rider of bucket 0's tail ([Note: bucket 0's tail] in ``ddp/tail.py``), like the step tags:
+each rank writes its own slots and zeros in everyone else's, so the bucket's sum hands every
+rank every rank's record with no collective of its own, and the step's readout reads them in
+the same device-to-host copy. A record is the interval *before* the step that carries it (the
+one being reduced is not over yet), so reports run one step behind.
 
 Per rank: a presence flag (a joined rank sends none), the phases in milliseconds, then the
 launch offset of up to ``MAX_LAUNCHES`` buckets. Values travel in the bucket's dtype: a bf16
@@ -16,39 +16,24 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import torch
-
 from gradsync.timing.phases import PHASES, RankStep
 
 MAX_LAUNCHES = 32  # buckets whose launch is carried (the first ones: those of the last layers)
 LIMIT_MS = 60_000.0
+RIDER = "timings"  # its name in bucket 0's tail (ddp/tail.py)
 
 
 def fields_per_rank(num_buckets: int) -> int:
     return 1 + len(PHASES) + min(num_buckets, MAX_LAUNCHES)
 
 
-class TimingSlots:
-    """Writes this rank's record into its slots (``values``: every rank's, in bucket 0)."""
-
-    def __init__(self, values: torch.Tensor, rank: int, num_buckets: int) -> None:
-        self.width = fields_per_rank(num_buckets)
-        self.values = values
-        self.mine = values[rank * self.width : (rank + 1) * self.width]
-        self.staging = torch.empty(self.width, dtype=values.dtype, pin_memory=values.is_cuda)
-        self.written = [0.0] * self.width  # as last written, on the host (world size 1)
-
-    def write(self, record: RankStep | None) -> None:
-        """``None``: nothing to report (no interval measured yet, or this rank has joined)."""
-        self.values.zero_()
-        if record is None:
-            self.written = [0.0] * self.width
-            return
-        launches = list(record.launches[: self.width - 1 - len(PHASES)])
-        launches += [0.0] * (self.width - 1 - len(PHASES) - len(launches))
-        self.written = [1.0, *(min(max(v, 0.0), LIMIT_MS) for v in (*record.phases, *launches))]
-        self.staging.copy_(torch.tensor(self.written))
-        self.mine.copy_(self.staging, non_blocking=True)  # see TagSlots.write
+def encode(record: RankStep, num_buckets: int) -> list[float]:
+    """This rank's slots for ``record``: the presence flag, the phases, then the launches of the
+    first ``MAX_LAUNCHES`` buckets (zeros where not known), each clamped to ``[0, LIMIT_MS]``."""
+    num_launches = fields_per_rank(num_buckets) - 1 - len(PHASES)
+    launches = list(record.launches[:num_launches])
+    launches += [0.0] * (num_launches - len(launches))
+    return [1.0, *(min(max(v, 0.0), LIMIT_MS) for v in (*record.phases, *launches))]
 
 
 def decode(values: Sequence[float], world_size: int) -> list[RankStep | None]:

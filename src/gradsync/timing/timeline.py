@@ -20,7 +20,7 @@ import torch
 from gradsync.timing.attribution import Thresholds, attribute, describe, metrics
 from gradsync.timing.clock import clock_for
 from gradsync.timing.phases import PhaseRecorder, RankStep
-from gradsync.timing.slots import TimingSlots, decode, fields_per_rank
+from gradsync.timing.slots import decode, encode, fields_per_rank
 
 logger = logging.getLogger("gradsync.stragglers")
 
@@ -60,18 +60,16 @@ class StepTimeline:
         size and the replica's device)."""
         return cls(every, deadline.rank, deadline.world_size, deadline.device)
 
-    def num_values(self, num_buckets: int) -> int:
-        """How many values the first bucket carries for the timeline (every rank's slots)."""
-        return fields_per_rank(num_buckets) * self.world_size if self.enabled else 0
+    def width(self, num_buckets: int) -> int:
+        """Values per rank this timeline sends in bucket 0's tail (``0``: off)."""
+        return fields_per_rank(num_buckets) if self.enabled else 0
 
-    def slots(self, values: torch.Tensor, num_buckets: int) -> TimingSlots | None:
-        return TimingSlots(values, self.rank, num_buckets) if self.enabled else None
-
-    def write(self, slots: TimingSlots | None, contributes: bool) -> None:
-        """Before the step's first bucket launches: this rank's last interval, if it has one
-        and takes part (a rank that has joined sends none)."""
-        if slots is not None:
-            slots.write(self._outgoing if contributes else None)
+    def outgoing(self, num_buckets: int) -> list[float] | None:
+        """Before the step's first bucket launches: this rank's last interval, encoded for its
+        slots, or ``None`` when there is none to send (off, or no interval measured yet)."""
+        if self._outgoing is None:
+            return None
+        return encode(self._outgoing, num_buckets)
 
     def received(self, values: Sequence[float], step: int) -> None:
         """After step ``step``'s readout: ``values`` holds every rank's record of the interval

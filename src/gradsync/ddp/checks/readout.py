@@ -1,12 +1,13 @@
 """The step's readout: what every rank reads after a step's reduction, in one device-to-host
 copy.
 
-The used counts ([Note: used flags] in ``reducer.py``), every rank's step tag ([Note: step
-tags] in ``tags.py``), the finite flag of each bucket (``check_finite``) and the global item
-count (``item_mean``) are concatenated and read in one ``tolist()``: on CUDA each read is a sync
-point, so there is one per step, not one per bucket (hundreds with ``bucket_cap_mb=0``). With
-``check_finite`` the per-parameter flags each rank noted before the sum ride along, so naming
-the parameters that held NaN/Inf costs no read of its own either.
+The used counts ([Note: used flags] in ``reducer.py``), bucket 0's tail (every rank's step
+tag and timings: [Note: bucket 0's tail] in ``tail.py``), the finite flag of each bucket
+(``check_finite``) and the global item count (``item_mean``) are concatenated and read in one
+``tolist()``: on CUDA each read is a sync point, so there is one per step, not one per bucket
+(hundreds with ``bucket_cap_mb=0``). With ``check_finite`` the per-parameter flags each rank
+noted before the sum ride along, so naming the parameters that held NaN/Inf costs no read of
+its own either.
 
 With one rank there is nobody to hear from: the "sums" are what this rank wrote, the used flags
 from its own hooks and its own step tag, and the host already holds both. Then nothing is read
@@ -24,10 +25,12 @@ from typing import NamedTuple
 import torch
 
 from gradsync.ddp.buckets import Bucket
-from gradsync.ddp.checks.tags import NUM_FIELDS, StepTag, TagSlots, decode
+from gradsync.ddp.checks import tags
+from gradsync.ddp.checks.tags import StepTag
 from gradsync.ddp.plan import BucketSpec
 from gradsync.ddp.reduction import Reduction
-from gradsync.timing.slots import TimingSlots
+from gradsync.ddp.tail import TailLayout
+from gradsync.timing import slots
 
 
 class StepReadout(NamedTuple):
@@ -38,7 +41,7 @@ class StepReadout(NamedTuple):
     local_finite: list[list[float]] | None  # per bucket and slot, on this rank before the sum
     total_items: float  # the window's items over every rank (item_mean only)
     tags: list[StepTag | None] | None  # every rank's step tag (None: no buckets)
-    timings: list[float]  # every rank's slots of the step timeline (timing/slots.py)
+    timings: list[float]  # every rank's slots of the step timeline (timing/slots.py), if on
 
 
 def read_step(
@@ -47,20 +50,17 @@ def read_step(
     reduction: Reduction,
     world_size: int,
     used: Sequence[bool],
-    tag_slots: TagSlots | None,
-    timing_slots: TimingSlots | None = None,
+    tail: TailLayout | None,
 ) -> StepReadout:
-    """The step's readout. ``used``, ``tag_slots`` and ``timing_slots``: what this rank wrote
-    into the flags, tags and timings (a slot of a filled bucket is used: its hook fired, or it
-    was filled late as used)."""
+    """The step's readout. ``used`` and ``tail``: what this rank wrote into the flags and into
+    bucket 0's tail (a slot of a filled bucket is used: its hook fired, or it was filled late
+    as used); ``tail`` is ``None`` without buckets."""
     if world_size == 1 and not check_finite and not reduction.counts_items:
         flags = [float(used[i]) for b in buckets for i in b.spec.param_indices]
-        written = tag_slots.written if tag_slots is not None else []
-        timed = timing_slots.written if timing_slots is not None else []
-        return _parse([*flags, *written, *timed], buckets, check_finite, reduction, world_size)
-    return _parse(
-        _read(buckets, check_finite, reduction), buckets, check_finite, reduction, world_size
-    )
+        written = tail.written if tail is not None else []
+        return _parse([*flags, *written], buckets, check_finite, reduction, world_size, tail)
+    flat = _read(buckets, check_finite, reduction)
+    return _parse(flat, buckets, check_finite, reduction, world_size, tail)
 
 
 def _read(buckets: Sequence[Bucket], check_finite: bool, reduction: Reduction) -> list[float]:
@@ -70,7 +70,7 @@ def _read(buckets: Sequence[Bucket], check_finite: bool, reduction: Reduction) -
     if flags:  # one cat per dtype, not one conversion per bucket
         same = len({f.dtype for f in flags}) == 1
         parts.append(torch.cat(flags if same else [f.double() for f in flags]))
-        parts.append(buckets[0].tags)
+        parts.append(buckets[0].tail)
     if check_finite and buckets:
         parts.append(torch.stack([torch.isfinite(b.grads).all() for b in buckets]))
         parts.extend(b.local_finite for b in buckets if b.local_finite is not None)
@@ -85,17 +85,18 @@ def _parse(
     check_finite: bool,
     reduction: Reduction,
     world_size: int,
+    tail: TailLayout | None,
 ) -> StepReadout:
     counts, start = [], 0
     for bucket in buckets:
         counts.append(flat[start : start + len(bucket.params)])
         start += len(bucket.params)
-    tags, timings = None, []
-    if buckets:  # bucket 0's tail: every rank's step tag, then every rank's timings
-        num_tags, num_tail = NUM_FIELDS * world_size, buckets[0].tags.numel()
-        tags = decode(flat[start : start + num_tags], world_size)
-        timings = flat[start + num_tags : start + num_tail]
-        start += num_tail
+    step_tags, timings = None, []
+    if tail is not None:  # bucket 0's tail: every rank's step tag, and timings if on
+        riders = tail.split(flat[start : start + tail.numel])
+        step_tags = tags.decode(riders[tags.RIDER], world_size)
+        timings = riders.get(slots.RIDER, [])
+        start += tail.numel
     finite, local_finite = None, None
     if check_finite:
         finite = flat[start : start + len(buckets)]
@@ -105,7 +106,7 @@ def _parse(
             local_finite.append(flat[start : start + len(bucket.params)])
             start += len(bucket.params)
     total_items = flat[start] if reduction.counts_items else 0.0
-    return StepReadout(counts, finite, local_finite, total_items, tags, timings)
+    return StepReadout(counts, finite, local_finite, total_items, step_tags, timings)
 
 
 def unused_somewhere(

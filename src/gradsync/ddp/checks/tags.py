@@ -10,7 +10,8 @@ forwards (and how many of them under ``no_sync``) it ran in this accumulation wi
 in-place updates its parameters have seen since wrapping, and flags for "my parameter set
 changed since wrapping" and "I never declared items" (``item_mean``). Every other rank writes
 zeros there, so after the sum each rank reads every rank's tag exactly, at no extra collective,
-and all ranks reach the same verdict at the step where things went wrong.
+and all ranks reach the same verdict at the step where things went wrong. The slots are the
+tags' rider in bucket 0's tail ([Note: bucket 0's tail] in ``ddp/tail.py``).
 
 Values are kept below 128 (modulo) and stored plus one, so zero means "no tag" (a rank that has
 joined and answers with zeros) and every value is exact in any bucket dtype, bfloat16 included.
@@ -22,10 +23,9 @@ from __future__ import annotations
 
 from dataclasses import astuple, dataclass
 
-import torch
-
 MODULUS = 128
 NUM_FIELDS = 5
+RIDER = "step tags"  # its name in bucket 0's tail (ddp/tail.py)
 PARAMS_CHANGED = 1
 NO_ITEMS = 2
 
@@ -40,26 +40,6 @@ class StepTag:
 
     def encode(self) -> list[float]:
         return [float(v % MODULUS + 1) for v in astuple(self)]
-
-
-class TagSlots:
-    """Writes this rank's tag into its slots of the first bucket (the others' slots: zeros)."""
-
-    def __init__(self, tags: torch.Tensor, rank: int) -> None:
-        self.tags = tags
-        self.mine = tags[rank * NUM_FIELDS : (rank + 1) * NUM_FIELDS]
-        # To the device through a pinned buffer and a non-blocking copy: a plain host-to-device
-        # copy would wait for the GPU at the start of every backward.
-        self.staging = torch.empty(NUM_FIELDS, dtype=tags.dtype, pin_memory=tags.is_cuda)
-        self.written = [0.0] * NUM_FIELDS  # this rank's slots as last written, on the host
-
-    def write(self, tag: StepTag | None) -> None:
-        """``None``: this rank has joined and contributes no tag."""
-        self.tags.zero_()
-        self.written = [0.0] * NUM_FIELDS if tag is None else tag.encode()
-        if tag is not None:
-            self.staging.copy_(torch.tensor(self.written))
-            self.mine.copy_(self.staging, non_blocking=True)
 
 
 def decode(values: list[float], world_size: int) -> list[StepTag | None]:
