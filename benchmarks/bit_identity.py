@@ -14,17 +14,21 @@ same). Run it on the code before and after the change, then compare the two file
 
 ``--compare`` prints, per setting, ``identical`` (every tensor bitwise equal, dtype and shape
 included) or the largest absolute difference, and exits 1 if any setting differs. Two runs of
-the same code give identical files (each setting runs in fresh processes, one thread per rank).
-``--settings NAME ...`` runs only those settings (``--list`` names them). ``bucket_cap_mb=None``
-is the default cap (``"scaled"``), so one bucket is ``bucket_cap_mb=inf``; with this model the
-default cap (at least 1 MiB) already makes one bucket. The bf16 setting also saves
-``MasterWeights``' fp32 copies as ``master.<name>``.
+the same code give identical files. The settings run one after the other in the same two rank
+processes (one thread each; starting processes costs more than training on a loaded machine);
+``--isolated`` starts fresh ones for each setting (the same bits, 18x the start-up time), to
+tell which setting hangs or crashes. ``--settings NAME ...`` runs only those (``--list``).
+
+``bucket_cap_mb=None`` is the default cap (``"scaled"``), so one bucket is
+``bucket_cap_mb=inf``; with this model the default cap (at least 1 MiB) already makes one
+bucket. The bf16 setting also saves ``MasterWeights``' fp32 copies as ``master.<name>``.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import math
 import sys
 import time
@@ -181,19 +185,31 @@ def difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> str | 
     return f"max abs diff {worst:.3e} ({', '.join(what)})"
 
 
-def run(out: str, names: list[str]) -> int:
+def train_all(rank: int, world: int, names: list[str]) -> dict[str, dict[str, torch.Tensor]]:
+    """Every setting in ``names``, one after the other, in this rank's process."""
+    out = {}
+    for name in names:
+        out[name] = train(rank, world, name)
+        gc.collect()  # the wrapper's worker threads and private group go before the next one
+    return out
+
+
+def run(out: str, names: list[str], isolated: bool) -> int:
     results: dict[str, dict[str, torch.Tensor]] = {}
     bad = []
     start = time.perf_counter()
-    for name in names:
+    for group in [[n] for n in names] if isolated else [names]:
         t0 = time.perf_counter()
-        per_rank = spawn(train, WORLD, (name,), pg_timeout_s=60, timeout_s=300)
-        results[name] = per_rank[0]
-        diff = difference(per_rank[0], per_rank[1])
-        if diff is not None:
-            bad.append(name)
-        note = "ranks equal" if diff is None else f"RANK 1 DIFFERS FROM RANK 0: {diff}"
-        print(f"{name:<40} {time.perf_counter() - t0:5.1f} s  {note}", flush=True)
+        per_rank = spawn(train_all, WORLD, (group,), pg_timeout_s=60, timeout_s=600)
+        for name in group:
+            results[name] = per_rank[0][name]
+            diff = difference(per_rank[0][name], per_rank[1][name])
+            if diff is not None:
+                bad.append(name)
+            note = "ranks equal" if diff is None else f"RANK 1 DIFFERS FROM RANK 0: {diff}"
+            print(f"{name:<40} {note}", flush=True)
+        if isolated:
+            print(f"{'':<40} {time.perf_counter() - t0:.1f} s", flush=True)
     torch.save(results, out)
     print(f"{len(names)} settings in {time.perf_counter() - start:.1f} s; saved {out}")
     if bad:
@@ -221,6 +237,7 @@ def main() -> None:
     p.add_argument("--out", help="train every setting; torch.save the parameters here")
     p.add_argument("--compare", nargs=2, metavar=("A", "B"), help="compare two --out files")
     p.add_argument("--settings", nargs="+", choices=list(SETTINGS), help="only these settings")
+    p.add_argument("--isolated", action="store_true", help="fresh processes for each setting")
     p.add_argument("--list", action="store_true", help="print the setting names and exit")
     args = p.parse_args()
     if args.list:
@@ -230,7 +247,7 @@ def main() -> None:
         sys.exit(compare(*args.compare))
     if not args.out:
         p.error("give --out FILE or --compare A B")
-    sys.exit(run(args.out, args.settings or list(SETTINGS)))
+    sys.exit(run(args.out, args.settings or list(SETTINGS), args.isolated))
 
 
 if __name__ == "__main__":

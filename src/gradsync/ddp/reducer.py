@@ -23,7 +23,6 @@ exactly as single-process training would.
 
 from __future__ import annotations
 
-import enum
 import weakref
 from collections.abc import Callable, Sequence
 
@@ -48,6 +47,7 @@ from gradsync.ddp.options import SyncOptions
 from gradsync.ddp.plan import BucketSpec
 from gradsync.ddp.reduction import Reduction
 from gradsync.ddp.tail import TailLayout
+from gradsync.ddp.window import Phase, StepWindow
 from gradsync.errors import GradsyncError, NonFiniteGradientError, ProtocolError
 from gradsync.failfast.deadline import Deadline
 from gradsync.mesh.dtensors import GradLayout
@@ -61,20 +61,13 @@ from gradsync.timing.ranges import span
 _OWNERS: weakref.WeakValueDictionary[int, Reducer] = weakref.WeakValueDictionary()
 
 
-class _Phase(enum.Enum):
-    UNPREPARED = "unprepared"  # no forward through the wrapper since the last reduction
-    ACCUMULATING = "accumulating"  # last forward ran under no_sync(): gradients stay local
-    ARMED = "armed"  # last forward ran with sync on: the next backward reduces
-    REDUCING = "reducing"  # inside that backward: buckets are being launched
-    RETIRED = "retired"  # a newer reducer (a new wrapper's, or a successor) took them over
-
-
 class Reducer(TorchReducerMethods):
     """Owns the buckets, the hooks and the per-step state of gradient synchronisation.
 
-    It is the only writer of its state: the wrapper tells it about each forward
-    (:meth:`begin_forward`) and each rank waiting in ``join()`` (:meth:`shadow_backward`);
-    autograd hooks and the end-of-backward callback do the rest.
+    It is the only writer of its state and of the current step window ([Note: the step
+    window] in ``window.py``): the wrapper tells it about each forward (:meth:`begin_forward`)
+    and each rank waiting in ``join()`` (:meth:`shadow_backward`); autograd hooks and the
+    end-of-backward callback do the rest.
     """
 
     _scale: float | None = None  # this backward's pre-division (see Reduction)
@@ -115,21 +108,12 @@ class Reducer(TorchReducerMethods):
         self.location = {  # param index -> (bucket index, slot in bucket)
             i: (b, slot) for b, s in enumerate(specs) for slot, i in enumerate(s.param_indices)
         }
-        self.phase = _Phase.UNPREPARED
-        self.next_bucket = 0
-        self.used = [False] * len(self.params)  # used during the current accumulation window
+        self.window = StepWindow(len(self.params), self.world_size)
+        self.retired = False  # a newer reducer (a new wrapper's, or a successor) took over
+        self.next_bucket = 0  # the next bucket to launch, in index order
         self.num_reductions = 0  # completed synchronised backward passes, for tests and logs
         # Parameters the first reduction found unused on some rank (see unused_last.py).
         self.first_unused: tuple[int, ...] | None = None
-        # Ranks that contribute data to the coming reduction: fewer than world_size once some
-        # ranks have run out of data and joined (see join.py); they contribute zeros.
-        self.num_active = self.world_size
-        self.by_world = False  # a mean divides by the world, not num_active (torch's Join)
-        self.window_forwards = 0  # training forwards in this window (see [Note: step tags])
-        self.window_no_sync = 0
-        self._training_forward = False  # the last forward ran in training mode
-        self._backward_began = False  # a gradient of the last forward's backward arrived
-        self.changes: list[str] = []  # how the parameter set differs from wrapping time
         self._hooks = self._take_over_parameters()
 
     def _bucket(self, b: int, spec: BucketSpec) -> Bucket:
@@ -176,33 +160,30 @@ class Reducer(TorchReducerMethods):
         between optimizer steps. It continues:
 
         - the step count, so that step tags and checkpoints go on (the same parameter watch);
-        - the window, if one is open. Between a reduction and the next training forward no
-          training micro-batch is pending, but an eval-mode forward with grad enabled opens a
-          window (see [Note: eval forwards keep main gradients] in ``main_grads.py``), and
-          under ``no_sync()`` its backward's gradients wait for the next synchronised step. The
+        - the window (the same :class:`StepWindow` object), if one is open. Between a
+          reduction and the next training forward no training micro-batch is pending, but an
+          eval-mode forward with grad enabled opens a window (see [Note: eval forwards keep
+          main gradients] in ``main_grads.py``), and under ``no_sync()`` its backward's
+          gradients wait for the next synchronised step. The
           new reducer takes over which parameters were used (without them a parameter that
           only the eval backward reached counts as unused everywhere, and each rank keeps its
           own ``.grad``) and, with main gradients, the gradients themselves;
         - else, with main gradients, every ``p.main_grad``, moved to its new slot.
         """
-        phase = old.phase  # before the new reducer retires the old one
         new = cls(
             old.watch, specs, old.options, deadline=old.deadline,
             comm_hook=old.comm_hook if comm_hook is None else comm_hook,
             reduction=old.reduction, timeline=old.timeline, layouts=old.layouts,
         )  # fmt: skip
         new.num_reductions = old.num_reductions  # the same watch: step tags continue
-        if phase in (_Phase.ACCUMULATING, _Phase.ARMED):
-            new._continue_window(old, phase)
+        if old.window.phase in (Phase.ACCUMULATING, Phase.ARMED):
+            new._continue_window(old)
         elif new.main_grads:
             new._move_main_grads()
         return new
 
-    def _continue_window(self, old: Reducer, phase: _Phase) -> None:
-        self.phase, self.used, self.num_active = phase, old.used, old.num_active
-        self.window_forwards, self.window_no_sync = old.window_forwards, old.window_no_sync
-        self._training_forward, self._backward_began = old._training_forward, old._backward_began
-        self.changes = old.changes
+    def _continue_window(self, old: Reducer) -> None:
+        self.window = old.window
         if not self.main_grads:
             return  # the window's gradients are in .grad, where autograd put them
         for index, (b, slot) in self.location.items():
@@ -237,33 +218,33 @@ class Reducer(TorchReducerMethods):
         for handle in self._hooks:
             handle.remove()
         self._hooks = []
-        self.phase = _Phase.RETIRED
+        self.retired = True
 
     @property
     def reducing(self) -> bool:
         """Inside a synchronised backward: buckets are being launched."""
-        return self.phase is _Phase.REDUCING
+        return self.window.phase is Phase.REDUCING
 
     @property
     def unprepared(self) -> bool:
         """No forward through the wrapper since the last reduction."""
-        return self.phase is _Phase.UNPREPARED
+        return self.window.phase is Phase.UNPREPARED
 
     @property
     def window_open(self) -> bool:
         """A training forward ran since the last reduction: gradients of a step are pending."""
-        return self.window_forwards > 0
+        return self.window.open
 
     # -- forward side ---------------------------------------------------------------------
     def check_forward_allowed(self) -> None:
         """Raise if a forward now would break the protocol (before any collective is issued)."""
         self.deadline.check_usable()
-        if self.phase is _Phase.RETIRED:
+        if self.retired:
             raise ProtocolError(
                 "this DistributedDataParallel was replaced by a newer one wrapping the same "
                 "parameters; use the new wrapper (the old one no longer synchronises anything)"
             )
-        if self.phase is _Phase.REDUCING:
+        if self.window.phase is Phase.REDUCING:
             raise ProtocolError("forward called while a synchronised backward is still running")
 
     def begin_forward(
@@ -273,14 +254,11 @@ class Reducer(TorchReducerMethods):
         how many active ranks (``None``: all of them; fewer inside ``join()``). Only
         ``training`` forwards count in the step tag (eval forwards may run on one rank)."""
         self.check_forward_allowed()
-        if self.main_grads and self.phase is _Phase.UNPREPARED:  # a new accumulation window
+        window = self.window
+        if self.main_grads and window.phase is Phase.UNPREPARED:  # a new accumulation window
             start_window(self.buckets, training)  # an eval forward keeps main_grad: see there
-        self.num_active = self.world_size if num_active is None else num_active
-        self.by_world = by_world
-        self.window_forwards += int(training)
-        self.phase, self._training_forward, self._backward_began = _Phase.ARMED, training, False
-        self.decide(sync)
-        self.changes = self.watch.changes()
+        active = self.world_size if num_active is None else num_active
+        window.begin_forward(sync, training, active, by_world, self.watch.changes())
 
     def decide(self, sync: bool) -> None:
         """Whether the backward of the forward just begun reduces (``sync``) or accumulates.
@@ -290,15 +268,12 @@ class Reducer(TorchReducerMethods):
         begins: torch decides when the forward returns, and a backward run inside the forward
         (Lightning's manual optimization under ``no_sync()``) goes by the flag at its start.
         """
-        if self._backward_began or self.phase not in (_Phase.ARMED, _Phase.ACCUMULATING):
-            return
-        was_counted = self._training_forward and self.phase is _Phase.ACCUMULATING
-        self.phase = _Phase.ARMED if sync else _Phase.ACCUMULATING
-        self.window_no_sync += int(self._training_forward and not sync) - int(was_counted)
+        self.window.decide(sync)
 
     def count_items(self, num_items: float | torch.Tensor) -> None:
         """Declare that the current micro-batch's (sum-reduced) loss covers ``num_items`` items."""
-        if self.phase in (_Phase.UNPREPARED, _Phase.REDUCING) and self.reduction.counts_items:
+        phase = self.window.phase
+        if phase in (Phase.UNPREPARED, Phase.REDUCING) and self.reduction.counts_items:
             # After the synchronising backward the count would silently land in the next window.
             raise ProtocolError(
                 "call count_items() between a micro-batch's forward and its backward"
@@ -308,17 +283,17 @@ class Reducer(TorchReducerMethods):
     # -- backward side --------------------------------------------------------------------
     def _on_grad_ready(self, index: int, b: int, slot: int) -> None:
         # Runs once per parameter per backward: keep it short (benchmarks/hook_overhead.py).
-        self.used[index] = True
-        phase = self.phase
-        if phase is _Phase.REDUCING:
+        window = self.window
+        window.used[index] = True
+        phase = window.phase
+        if phase is Phase.REDUCING:
             pass
-        elif phase is _Phase.ACCUMULATING:
-            if not self._backward_began:  # decide() no longer changes this backward
-                self._backward_began = True
+        elif phase is Phase.ACCUMULATING:
+            if window.backward_began():  # the first gradient: decide() no longer changes it
                 self.marks.backward_began()  # under no_sync: its end is marked by a callback
             self.buckets[b].accumulate(slot)  # main gradients add up in the bucket
             return
-        elif phase is _Phase.UNPREPARED:
+        elif phase is Phase.UNPREPARED:
             raise gradient_without_forward(self.names[index], self.rank)
         else:  # ARMED: the first gradient of a synchronised backward
             self._start_reduction()
@@ -330,7 +305,7 @@ class Reducer(TorchReducerMethods):
             self._launch_ready_buckets()
 
     def _start_reduction(self) -> None:
-        self.phase = _Phase.REDUCING
+        self.window.start_reduction()
         self._scale = self._pre_division()
         self.deadline.begin(f"the gradient reduction of step {self.num_reductions}")
         self._write_tail(contributes=True)
@@ -341,7 +316,7 @@ class Reducer(TorchReducerMethods):
         )
 
     def _pre_division(self) -> float | None:
-        ranks = self.world_size if self.by_world else self.num_active
+        ranks = self.world_size if self.window.by_world else self.window.num_active
         return self.reduction.pre_division(ranks, self.comm_hook.divides_by)
 
     def _write_tail(self, contributes: bool) -> None:
@@ -351,11 +326,10 @@ class Reducer(TorchReducerMethods):
         if not contributes:
             self.tail.write({})
             return
-        flags = PARAMS_CHANGED * bool(self.changes) | NO_ITEMS * self.reduction.missing_count
+        window = self.window
+        flags = PARAMS_CHANGED * bool(window.changes) | NO_ITEMS * self.reduction.missing_count
         updates = self.watch.updates_since_wrapping()
-        tag = StepTag(
-            self.num_reductions, self.window_forwards, self.window_no_sync, updates, flags
-        )
+        tag = StepTag(self.num_reductions, window.forwards, window.no_sync, updates, flags)
         self.tail.write({
             tags.RIDER: tag.encode(),
             slots.RIDER: self.timeline.outgoing(len(self.specs)),  # the last interval, if any
@@ -373,7 +347,8 @@ class Reducer(TorchReducerMethods):
         if self.options.check_finite:
             bucket.flag_finite()  # read with the step's readout
         if bucket.filled_late:
-            flags = [1.0 if self.used[i] else 0.0 for i in bucket.spec.param_indices]
+            used = self.window.used
+            flags = [1.0 if used[i] else 0.0 for i in bucket.spec.param_indices]
             cuda = bucket.buffer.is_cuda  # pinned and non-blocking: the host does not wait
             host = torch.tensor(flags, dtype=bucket.buffer.dtype, pin_memory=cuda)
             bucket.used_flags.copy_(host, non_blocking=cuda)
@@ -388,7 +363,7 @@ class Reducer(TorchReducerMethods):
 
         Runs by itself at the end of each synchronised backward; calling it again is a no-op.
         """
-        if self.phase is not _Phase.REDUCING:
+        if self.window.phase is not Phase.REDUCING:
             return
         self.marks.backward_ended()
         self._complete(shadow=False, write_back=True)
@@ -400,9 +375,7 @@ class Reducer(TorchReducerMethods):
         ``write_back`` the reduced gradients land in ``.grad``, so an optimizer step keeps this
         replica in step with the others.
         """
-        self.num_active, self.by_world = num_active, by_world
-        self.phase = _Phase.REDUCING
-        self.used = [False] * len(self.params)
+        self.window.shadow(num_active, by_world, self.watch.changes())
         self.deadline.begin(f"a join round (step {self.num_reductions}, out of data)")
         self._write_tail(contributes=False)
         self.reduction.start_item_exchange(contributes=False)
@@ -418,7 +391,7 @@ class Reducer(TorchReducerMethods):
             with span("step_checks"):
                 readout = read_step(
                     self.buckets, self.options.check_finite, self.reduction, self.world_size,
-                    self.used, self.tail if self.buckets else None,
+                    self.window.used, self.tail if self.buckets else None,
                 )  # fmt: skip
                 try:
                     judge(readout, self._step_context())
@@ -428,7 +401,8 @@ class Reducer(TorchReducerMethods):
             self.timeline.received(readout.timings, self.num_reductions)
             self.reduction.post_divide([b.grads for b in self.buckets], readout.total_items)
             if self.first_unused is None and self.options.tolerates_unused:
-                self.first_unused = unused_somewhere(self.specs, readout.counts, self.num_active)
+                active = self.window.num_active
+                self.first_unused = unused_somewhere(self.specs, readout.counts, active)
             if write_back:
                 with span("bucket_write_back"):
                     self._write_back(readout.counts)
@@ -441,10 +415,11 @@ class Reducer(TorchReducerMethods):
             self._reset()
 
     def _step_context(self) -> StepContext:
+        window = self.window
         return StepContext(
-            deadline=self.deadline, specs=self.specs, names=self.names, used=self.used,
-            num_active=self.num_active, num_reductions=self.num_reductions, watch=self.watch,
-            changes=self.changes,
+            deadline=self.deadline, specs=self.specs, names=self.names, used=window.used,
+            num_active=window.num_active, num_reductions=self.num_reductions, watch=self.watch,
+            changes=window.changes,
             compare_windows=not self.reduction.counts_items,  # see tags.find_desync
             find_unused_parameters=self.options.tolerates_unused,
         )  # fmt: skip
@@ -477,11 +452,8 @@ class Reducer(TorchReducerMethods):
         for bucket in self.buckets:
             bucket.reset()
         self.next_bucket = 0
-        self.used = [False] * len(self.params)
         self.reduction.reset()
-        self.num_active, self.by_world = self.world_size, False
-        self.window_forwards = self.window_no_sync = 0
-        self.phase = _Phase.UNPREPARED
+        self.window = StepWindow(len(self.params), self.world_size)  # the next step's
 
     def _write_back(self, counts: list[list[float]]) -> None:
         copies = [c for b, n in zip(self.buckets, counts, strict=True) for c in b.results(n)]

@@ -12,7 +12,7 @@ exists yet, on every rank at the same point:
    ``PROFILE_STEPS`` synchronised backwards (not under ``no_sync``). The hooks are removed
    after them; then ``TRIAL_STEPS`` more steps under the initial plan are timed whole (see 4).
 2. Decide, at the first training forward after those steps' reduction that starts a new
-   accumulation window (``window_forwards == 0``: never inside a ``no_sync`` window, never inside
+   accumulation window (no window open: never inside a ``no_sync`` window, never inside
    a backward) outside ``join()``. ``num_reductions`` and the window are the same on every rank
    (the step tags check both), and eval forwards never get here (they may run on one rank), so
    every rank reaches this forward together. Then, under the wrapper's deadline: a few timed
