@@ -98,7 +98,7 @@ def _run(rank: int, world: int, kind: str, opt_name: str, *, cap: Any = "auto",
             # switch's collectives on rank 0 alone, both ranks would wait for each other here
             dist.all_reduce(torch.zeros(1))
     plan = ddp.bucket_plan
-    auto = ddp._autotune
+    auto = ddp.bucket_tuner
     return {
         "params": {n: p.detach().clone() for n, p in model.named_parameters()},
         "plan": None if plan is None else (plan.cap_mb, plan.first_cap_mb, plan.num_buckets),

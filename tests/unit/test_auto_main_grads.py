@@ -47,7 +47,7 @@ def test_auto_keeps_fp32_main_gradients_across_the_switch(one_rank, monkeypatch)
     monkeypatch.setattr(autotune, "_step_clock", lambda: float(next(ticks)))
     auto, auto_grads = _train("auto")
     assert auto.bucket_plan is not None and auto.bucket_plan.cap_mb == 0, auto.bucket_plan
-    assert auto._autotune.settled and auto.num_buckets == 4
+    assert auto.bucket_tuner.settled and auto.num_buckets == 4
     assert {s.dtype for s in auto.bucket_specs} == {torch.float32}
     _, fixed_grads = _train(0)  # the plan "auto" switched to, from the start
     for step, (a, f) in enumerate(zip(auto_grads, fixed_grads, strict=True)):

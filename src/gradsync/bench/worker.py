@@ -238,7 +238,8 @@ def auto_plan(variants: Sequence[Variant], models: dict[str, nn.Module]) -> str 
     """What ``bucket_cap_mb="auto"`` chose in this run and whether its trial kept it, in words
     (``None``: no auto row, or it had not switched yet)."""
     auto = [models[v.name] for v in variants if v.kind == "gradsync_auto"]
-    tuner = getattr(auto[0], "_autotune", None) if auto else None
+    model = auto[0] if auto else None
+    tuner = model.bucket_tuner if isinstance(model, gradsync.DistributedDataParallel) else None
     if tuner is None or tuner.chosen is None:
         return None
     words = f"auto chose {_caps(tuner.chosen)}"
@@ -269,7 +270,7 @@ def untimed_steps(
     bytes that gradsync's wire hooks counted in the third (a steady step: PowerSGD compresses
     from step 3 on)."""
     for name, model in models.items():
-        tuner = getattr(model, "_autotune", None)
+        tuner = getattr(model, "bucket_tuner", None)
         while tuner is not None and not tuner.settled:
             steps[name]()
     counted = {}

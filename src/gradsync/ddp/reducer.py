@@ -236,24 +236,14 @@ class Reducer(TorchReducerMethods):
         return self.window.open
 
     # -- forward side ---------------------------------------------------------------------
-    def check_forward_allowed(self) -> None:
-        """Raise if a forward now would break the protocol (before any collective is issued)."""
-        self.deadline.check_usable()
-        if self.retired:
-            raise ProtocolError(
-                "this DistributedDataParallel was replaced by a newer one wrapping the same "
-                "parameters; use the new wrapper (the old one no longer synchronises anything)"
-            )
-        if self.window.phase is Phase.REDUCING:
-            raise ProtocolError("forward called while a synchronised backward is still running")
-
     def begin_forward(
         self, sync: bool, training: bool, num_active: int | None = None, by_world: bool = False
     ) -> None:
         """Called by every grad-enabled forward: decides whether its backward reduces, and over
         how many active ranks (``None``: all of them; fewer inside ``join()``). Only
-        ``training`` forwards count in the step tag (eval forwards may run on one rank)."""
-        self.check_forward_allowed()
+        ``training`` forwards count in the step tag (eval forwards may run on one rank). The
+        wrapper has refused a forward the reducer cannot take (step 4 of [Note: the forward
+        protocol] in ``forward.py``)."""
         window = self.window
         if self.main_grads and window.phase is Phase.UNPREPARED:  # a new accumulation window
             start_window(self.buckets, training)  # an eval forward keeps main_grad: see there

@@ -17,20 +17,21 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.algorithms.join import Join, Joinable
+from torch.distributed.algorithms.join import Joinable
 from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 from gradsync.comm import AllReduceAlgorithm, CommHook, torch_hooks
 from gradsync.comm.formats import Compression, describe_compression, make_comm_hook, wire_bytes
 from gradsync.ddp import sharding
-from gradsync.ddp.checks.diagnostics import check_can_wrap, check_replicas, warn_if_same_batch
+from gradsync.ddp.checks.diagnostics import check_can_wrap, check_replicas
 from gradsync.ddp.checks.model import check_same_model, describe, refuse_everywhere
 from gradsync.ddp.checks.param_watch import ParameterWatch
 from gradsync.ddp.compat import torch_args
 from gradsync.ddp.compat.state_keys import refuse_mid_step, refuse_unloadable, strip_prefixes
 from gradsync.ddp.compat.torch_args import Device
 from gradsync.ddp.compat.torch_surface import TorchSurface
+from gradsync.ddp.forward import ForwardProtocol, Lifecycle, WrapperOps
 from gradsync.ddp.join import JoinProtocol, JoinRounds
 from gradsync.ddp.main_grads import check_main_grad_dtype
 from gradsync.ddp.options import Setting, SyncOptions
@@ -39,8 +40,7 @@ from gradsync.ddp.reducer import Reducer
 from gradsync.ddp.reduction import Reduction
 from gradsync.ddp.replan.autoplan import BucketPlan
 from gradsync.ddp.replan.autotune import AutoBuckets
-from gradsync.ddp.replan.unused_last import UnusedLast
-from gradsync.errors import GradsyncError, ProtocolError, UsageError
+from gradsync.errors import ProtocolError, UsageError
 from gradsync.failfast.deadline import as_timedelta, new_wrapper_deadline
 from gradsync.mesh.axes import axis_names, data_parallel_group
 from gradsync.mesh.dtensors import grad_layouts, local
@@ -90,9 +90,6 @@ class DistributedDataParallel(TorchSurface, TorchDDP):  # type: ignore[override]
     """
 
     _torch_hook: Callable[..., Any] | None = None  # set by register_comm_hook
-    _forward_ran = False  # a forward ran through the wrapper (hooks register before that)
-    _first_batch_checked = False  # the first training forward's batches were compared
-    _replicas_checked_at = 0  # the step of the last check_replicas_every check
     _sharded: sharding.ShardedSteps | None = None  # set by shard_optimizer
 
     def __init__(  # torch DDP's parameters in torch's order, then gradsync's own
@@ -149,19 +146,26 @@ class DistributedDataParallel(TorchSurface, TorchDDP):  # type: ignore[override]
         self._sync_backward = self.require_forward_param_sync = True  # torch's flags
         self.skip_all_reduce_unused_params = skip_all_reduce_unused_params  # torch's hints: the
         self.batched_grad_copy = batched_grad_copy  # results are the same either way
-        self._autotune = AutoBuckets(first_bucket_cap_mb) if self.options.auto else None
-        self._unused_last = UnusedLast(self.options)
         self.timeline = StepTimeline.of(self.options.straggler_every, self._deadline)
         self._make_replicas_equal(self.options.settings(axis_names(device_mesh)))
         self.reducer = self._first_reducer()
-        self._join = self._new_join_protocol()
+        self._join, self._forward = self._protocols()
 
-    def _new_join_protocol(self) -> JoinProtocol:
+    def _protocols(self) -> tuple[JoinProtocol, ForwardProtocol]:
+        """The join protocol and the forward protocol, which reach the wrapper through what it
+        hands them here (its reducer in place, the operations that replace it)."""
         me = weakref.proxy(self)  # no cycle: a dropped wrapper is freed at once, not by the gc
-        rounds = JoinRounds(
+        join = JoinProtocol(self._deadline, me, JoinRounds(  # type: ignore[arg-type]
             lambda: me.reducer, lambda: me._broadcast_buffers(), lambda: me._take_final_state()
-        )
-        return JoinProtocol(self._deadline, me, rounds)  # type: ignore[arg-type]
+        ))  # fmt: skip
+        ops = WrapperOps(
+            lambda: me.reducer, lambda: me._broadcast_buffers(), lambda: me.check_replicas(),
+            lambda specs, cap: me._adopt_plan(specs, cap), lambda last: me._plan_last(last),
+            lambda: (me.bucket_sizes, me.bucket_cap_mb),
+        )  # fmt: skip
+        inputs_to = self.device if self.device_ids else None  # torch's rule, with device_ids
+        return join, ForwardProtocol(self.options, self._deadline, join, self.timeline, ops,
+                                     inputs_to)  # fmt: skip
 
     # -- the settings, as torch DDP exposes them (read-only: they must agree across ranks) ----
     reduction, broadcast_buffers, compression, timeout = Setting(), Setting(), Setting(), Setting()
@@ -270,54 +274,21 @@ class DistributedDataParallel(TorchSurface, TorchDDP):  # type: ignore[override]
 
     @torch.compiler.disable  # never traced, nor anything it calls
     def _prepare_forward(self, args: Any, kwargs: Any) -> tuple[Any, Any]:
-        """What a forward does before its module runs, the same on every rank: move the inputs
-        and, with grad enabled, the protocol checks, the step's bookkeeping and, in training
-        mode, the small collectives; returns the inputs to run the module with. torch.compile
-        runs it eagerly and skips the frames of forward and _run_module (recursive=False: what
-        they call is traced): it traces the module call alone, as one graph split by
-        DDPOptimizer, and breaks only in torch's _inside_ddp_forward, as torch DDP does."""
-        if self.device_ids:  # torch's rule: inputs go to the replica's device
-            args, kwargs = torch_args.to_device((args, kwargs), self.device)
-        if not torch.is_grad_enabled():
-            return args, kwargs  # under no_grad: nothing to synchronise
-        self._forward_ran = True
+        """What a forward does before its module runs, the same on every rank: [Note: the
+        forward protocol] in ``forward.py``; returns the inputs to run the module with.
+        torch.compile runs it eagerly and skips the frames of forward and _run_module
+        (recursive=False: what they call is traced): it traces the module call alone, as one
+        graph split by DDPOptimizer, and breaks only in torch's _inside_ddp_forward, as torch
+        DDP does."""
+        broadcast = self.broadcast_buffers and bool(self._buffers_to_sync)
+        sync = bool(self.require_backward_grad_sync)
         training = self.module.training
-        if training:  # inside torch's Join: tell the joined ranks this one has not (join_hook())
-            Join.notify_join_context(self)
-        try:
-            self.reducer.check_forward_allowed()
-            steps, sync = self.reducer.num_reductions, bool(self.require_backward_grad_sync)
-            broadcast = self.broadcast_buffers and bool(self._buffers_to_sync)
-            every, checked = self.check_replicas_every, self._replicas_checked_at
-            check_due = every and steps and steps % every == 0 and checked != steps
-            if training and self._autotune is not None:  # a step boundary: may switch the plan
-                self._autotune.before_forward(
-                    self.reducer, self._join.joining, self.bucket_sizes, self.bucket_cap_mb,
-                    self._adopt_plan,
-                )  # fmt: skip
-            if training and not (self.reducer.window_open or self._join.joining):  # between steps
-                self._unused_last.before_forward(self.reducer.first_unused, self._plan_last)
-            joining, num_active = self._join.joining, None
-            # Collectives in training mode only: an eval forward may run on rank 0 alone.
-            if training and (broadcast or joining or check_due or not self._first_batch_checked):
-                self._deadline.begin(f"a training forward of step {steps}")
-                if joining:  # how many ranks still have data inside join()
-                    num_active = self._join.active_round(sync, broadcast)
-                if not self._first_batch_checked:
-                    self._first_batch_checked = True
-                    warn_if_same_batch((args, kwargs), self._deadline)
-                if check_due:
-                    self._replicas_checked_at = steps
-                    self.check_replicas()
-                if broadcast:
-                    self._broadcast_buffers()
-            self.reducer.begin_forward(sync, training, num_active, self._join.divides_by_world)
-            if training:
-                self.timeline.recorder.forward_began()
-        except GradsyncError as exc:
-            self._deadline.record_error(exc)  # so that the peers' timeout can name it
-            raise
-        return args, kwargs
+        return self._forward.run(args, kwargs, self, training, sync, broadcast)
+
+    @property
+    def lifecycle(self) -> Lifecycle:
+        """Configurable, training, failed or retired ([Note: the wrapper's lifecycle])."""
+        return self._forward.lifecycle
 
     def _broadcast_buffers(self, src: int = 0) -> None:
         what = f"the broadcast of rank {src}'s buffers before a training forward"
@@ -403,9 +374,9 @@ class DistributedDataParallel(TorchSurface, TorchDDP):  # type: ignore[override]
             "check_finite": self.options.check_finite,
             "DTensor parameters": any(layout is not None for layout in self._layouts),
             # The optimizer's layout follows the buckets, which "auto" replaces after a few steps.
-            "bucket_cap_mb='auto'": self._autotune is not None,
+            "bucket_cap_mb='auto'": self.bucket_tuner is not None,
         })  # fmt: skip
-        if self._forward_ran or self._sharded is not None:
+        if self.lifecycle is not Lifecycle.CONFIGURABLE or self._sharded is not None:
             raise ProtocolError("shard_optimizer() must be called once, before the first forward")
         reducer = self.reducer
         steps = sharding.shard(
@@ -427,14 +398,15 @@ class DistributedDataParallel(TorchSurface, TorchDDP):  # type: ignore[override]
         forward; different hooks on different ranks raise ``UsageError`` (``torch_hooks.py``)."""
         facts = torch_hooks.WrapperFacts(
             describe_compression(self.compression), self.algorithm.name,
-            registered=self._torch_hook is not None, forward_ran=self._forward_ran,
-            sharded=self._sharded is not None, auto=self._autotune is not None,
+            registered=self._torch_hook is not None,
+            forward_ran=self.lifecycle is not Lifecycle.CONFIGURABLE,
+            sharded=self._sharded is not None, auto=self.bucket_tuner is not None,
         )  # fmt: skip
         numels = [b.grads.numel() for b in self.reducer.buckets]
         adapter = torch_hooks.register(state, hook, self._deadline, numels, facts)
         self._replace_reducer(self.reducer.specs, comm_hook=adapter)
         self._torch_hook = hook
-        self._unused_last.enabled = False  # the hook's state may be per bucket
+        self._forward.unused_last.disable()  # the hook's state may be per bucket
 
     def finish_gradient_synchronization(self) -> None:
         """Wait for outstanding reductions; idempotent. Backward already calls it at its end."""
@@ -447,7 +419,14 @@ class DistributedDataParallel(TorchSurface, TorchDDP):  # type: ignore[override]
     @property
     def bucket_plan(self) -> BucketPlan | None:
         """With ``bucket_cap_mb="auto"``, the plan chosen (``None`` before the switch)."""
-        return self._autotune.plan if self._autotune is not None else None
+        tuner = self.bucket_tuner
+        return tuner.plan if tuner is not None else None
+
+    @property
+    def bucket_tuner(self) -> AutoBuckets | None:
+        """With ``bucket_cap_mb="auto"``, what chooses the plan: its profile, choice and trial
+        (``settled`` once the plan is final)."""
+        return self._forward.autotune
 
     # -- checkpoints: keys are the unwrapped module's --------------------------------------
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
@@ -475,9 +454,9 @@ class DistributedDataParallel(TorchSurface, TorchDDP):  # type: ignore[override]
         reducer, comm = self.reducer, self.reducer.comm_hook.state_dict()
         state: dict[str, Any] = {
             "num_reductions": reducer.num_reductions,
-            "replicas_checked_at": self._replicas_checked_at,
+            "replicas_checked_at": self._forward.replicas_checked_at,
         }
-        if (last := self._unused_last.state()) is not None:
+        if (last := self._forward.unused_last.state()) is not None:
             state["unused_last"] = last  # the buckets' plan (see unused_last.py)
         return {**state, "comm": comm} if comm else state
 
@@ -489,8 +468,8 @@ class DistributedDataParallel(TorchSurface, TorchDDP):  # type: ignore[override]
         refuse_mid_step(self.reducer.window_open, self._join.joining)
         hook = self.reducer.comm_hook
         refuse_unloadable(hook, describe_compression(self.compression), state, self._deadline)
-        self._unused_last.load(state.get("unused_last"), self._plan_last)
+        self._forward.unused_last.load(state.get("unused_last"), self._plan_last)
         self.reducer.resume_from(int(state["num_reductions"]))
-        self._replicas_checked_at = int(state["replicas_checked_at"])
+        self._forward.resume(int(state["replicas_checked_at"]))
         if "comm" in state:
             hook.load_state_dict(state["comm"])

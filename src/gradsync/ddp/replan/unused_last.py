@@ -46,6 +46,10 @@ class UnusedLast:
         self.enabled = options.tolerates_unused and not fixed
         self.last: tuple[int, ...] | None = None  # decided: planned last (None: not yet)
 
+    def disable(self) -> None:
+        """Keep the buckets as planned from now on (a torch comm hook's state is per bucket)."""
+        self.enabled = False
+
     def before_forward(
         self, first_unused: tuple[int, ...] | None, replan: Callable[[tuple[int, ...]], object]
     ) -> None:
