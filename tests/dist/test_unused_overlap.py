@@ -10,13 +10,14 @@ process; and that a checkpoint's sync state carries the plan to a resumed wrappe
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
 import gradsync
-from gradsync.ddp.reducer import Reducer
+from gradsync.ddp.launch import LaunchQueue
 from gradsync.testing.spawn import spawn
 
 WORLD, STEPS, DIM, BATCH = 2, 3, 4, 3
@@ -50,13 +51,13 @@ def _loss(out: torch.Tensor) -> torch.Tensor:
 
 def _run(rank: int, world: int) -> dict[str, Any]:
     launched: list[tuple[int, int]] = []  # per step: buckets launched before backward ended
-    original = Reducer._launch_remaining
+    original = LaunchQueue.launch_rest
 
-    def counting(self: Reducer, zeros: bool) -> None:
-        launched.append((self.next_bucket, len(self.buckets)))
-        original(self, zeros)
+    def counting(self: LaunchQueue, zeros: bool, used: Sequence[bool]) -> None:
+        launched.append((self.next, len(self.buckets)))
+        original(self, zeros, used)
 
-    Reducer._launch_remaining = counting  # type: ignore[method-assign]
+    LaunchQueue.launch_rest = counting  # type: ignore[method-assign]
     model = Net()
     ddp = gradsync.DistributedDataParallel(model, bucket_cap_mb=0, find_unused_parameters=True)
     first_specs = ddp.bucket_specs
@@ -69,7 +70,7 @@ def _run(rank: int, world: int) -> dict[str, Any]:
     state = ddp.sync_state_dict()
     resumed = gradsync.DistributedDataParallel(Net(), bucket_cap_mb=0, find_unused_parameters=True)
     resumed.load_sync_state_dict(state)
-    Reducer._launch_remaining = original  # type: ignore[method-assign]
+    LaunchQueue.launch_rest = original  # type: ignore[method-assign]
     return {
         "launched": launched,
         "first_bucket": [names[i] for i in first_specs[0].param_indices],

@@ -2,11 +2,19 @@
 and out of it.
 
 A bucket's buffer holds its gradients, then one used flag per parameter (see [Note: used
-flags] in ``reducer.py``) and, in the first bucket, every rank's records of the step (see
+flags] below) and, in the first bucket, every rank's records of the step (see
 [Note: bucket 0's tail] in ``tail.py``). :class:`Bucket` copies each gradient in once its
 whole bucket has arrived; :class:`AccumulatingBucket` (``main_grad_dtype``) owns the gradients
 instead, adding each micro-batch's into its buffer as it arrives (see [Note: main gradients] in
 ``main_grads.py``).
+
+[Note: used flags]
+Each bucket carries, after its gradients, one element per parameter: 1 if the parameter got a
+gradient on this rank during the accumulation window, else 0. They are summed by the same
+all-reduce, so every rank learns, at no extra collective, on how many ranks each parameter was
+used. That lets every rank raise the same error for an unused parameter (instead of one rank
+erroring while the others hang) and leave the ``.grad`` of a parameter unused everywhere
+untouched, exactly as single-process training would.
 """
 
 from __future__ import annotations
@@ -70,6 +78,17 @@ class Bucket:
         """Note, on the device, which gradients in the buffer are finite before the sum mixes
         them (``check_finite``): read with the step's readout, so no host read per bucket."""
         self.local_finite = torch.stack([torch.isfinite(v).all() for v in self.views])
+
+    def write_used_flags(self, used: Sequence[bool]) -> None:
+        """This rank's used flags for the sum; ``used``: the window's, per trainable parameter
+        (indexed like the reducer's parameters)."""
+        if self.filled_late:
+            flags = [1.0 if used[i] else 0.0 for i in self.spec.param_indices]
+            cuda = self.buffer.is_cuda  # pinned and non-blocking: the host does not wait
+            host = torch.tensor(flags, dtype=self.buffer.dtype, pin_memory=cuda)
+            self.used_flags.copy_(host, non_blocking=cuda)
+        else:  # every slot was filled by its hook: all used (no host-to-device copy needed)
+            self.used_flags.fill_(1.0)
 
     # -- in: from autograd's hooks, then at the end of backward ------------------------------
     def arrive(self, slot: int) -> None:

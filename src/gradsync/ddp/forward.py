@@ -44,7 +44,7 @@ read from them rather than copied.
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,6 +53,7 @@ from torch.distributed.algorithms.join import Join, Joinable
 
 from gradsync.ddp.checks.diagnostics import warn_if_same_batch
 from gradsync.ddp.compat import torch_args
+from gradsync.ddp.compat.state_keys import refuse_mid_step, refuse_unloadable
 from gradsync.ddp.join import JoinProtocol
 from gradsync.ddp.options import SyncOptions
 from gradsync.ddp.plan import BucketSpec
@@ -108,9 +109,32 @@ class ForwardProtocol:
         self._trained = False  # a forward with grad enabled ran: no longer configurable
         self._first_batch_checked = False
 
-    def resume(self, replicas_checked_at: int) -> None:
-        """Continue a checkpoint's schedule of replica checks (``load_sync_state_dict``)."""
-        self.replicas_checked_at = replicas_checked_at
+    def sync_state(self) -> dict[str, Any]:
+        """What ``sync_state_dict()`` saves: the step count, the last replica check, the unused
+        parameters planned last and the comm hook's state; refused mid-step."""
+        reducer = self.ops.reducer()
+        refuse_mid_step(reducer.window_open, self.join.joining)
+        state: dict[str, Any] = {
+            "num_reductions": reducer.num_reductions,
+            "replicas_checked_at": self.replicas_checked_at,
+        }
+        if (last := self.unused_last.state()) is not None:
+            state["unused_last"] = last  # the buckets' plan (see unused_last.py)
+        comm = reducer.comm_hook.state_dict()
+        return {**state, "comm": comm} if comm else state
+
+    def load_sync_state(self, state: Mapping[str, Any], compression: str) -> None:
+        """Continue from :meth:`sync_state` (a collective: a state one rank cannot load is
+        refused on every rank before any rank has changed anything)."""
+        reducer = self.ops.reducer()
+        refuse_mid_step(reducer.window_open, self.join.joining)
+        refuse_unloadable(reducer.comm_hook, compression, state, self.deadline)
+        self.unused_last.load(state.get("unused_last"), self.ops.plan_last)
+        reducer = self.ops.reducer()  # planning the unused parameters last may replace it
+        reducer.resume_from(int(state["num_reductions"]))
+        self.replicas_checked_at = int(state["replicas_checked_at"])
+        if "comm" in state:
+            reducer.comm_hook.load_state_dict(state["comm"])
 
     @property
     def lifecycle(self) -> Lifecycle:

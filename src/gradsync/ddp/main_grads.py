@@ -131,3 +131,21 @@ def _keep_main_grads(bucket: Bucket) -> None:
         offset, view = bucket.spec.offsets[slot], bucket.views[slot]
         kept = copy[offset : offset + view.numel()].view(view.shape)
         param.main_grad = kept  # type: ignore[attr-defined]
+
+
+def move_main_grads(params: Sequence[nn.Parameter], views: Sequence[torch.Tensor]) -> None:
+    """Point every ``p.main_grad`` at its slot in a successor reducer's buckets (``views``, in
+    parameter order), keeping its value.
+
+    The reduction writes ``main_grad`` only for parameters used on some rank; one unused
+    on every rank keeps the view it had. Left in the retired buckets, which no forward
+    zeroes any more, it would hold an old step's gradient for an optimizer to step on,
+    where the fixed plan (and one process) gives zeros. (A window an eval forward opened
+    is continued instead: ``main_grad`` then holds a copy of the last reduction, not a
+    view of the buckets; see [Note: eval forwards keep main gradients].)"""
+    for param, view in zip(params, views, strict=True):
+        main = getattr(param, "main_grad", None)
+        if main is None:
+            continue  # never reduced: no main_grad yet, as with the fixed plan
+        view.copy_(main)
+        param.main_grad = view  # type: ignore[attr-defined]

@@ -1,24 +1,9 @@
 """Overlapped gradient reduction: the machinery behind :class:`DistributedDataParallel`.
 
-[Note: when a bucket fires]
-A post-accumulate-grad hook on every trainable parameter marks its gradient as arrived in its
-bucket. When the last gradient of a bucket arrives, the bucket copies them all into its flat
-buffer (``buckets.py``) and its communication (an all-reduce by default; see [Note: the bucket
-communication seam] in ``comm/hook.py``) is started asynchronously, while autograd goes on
-computing earlier layers. Buckets are launched
-strictly in index order (a ready bucket waits for its predecessors) because gloo and NCCL match
-collectives by the order they are issued: two ranks that launched buckets in different orders
-would sum unrelated gradients. At the end of backward (an autograd engine callback), buckets not
-launched yet, those holding a parameter that got no gradient in this pass, are filled and
-launched, every handle is waited for and the results are written to ``.grad``.
-
-[Note: used flags]
-Each bucket carries, after its gradients, one element per parameter: 1 if the parameter got a
-gradient on this rank during the accumulation window, else 0. They are summed by the same
-all-reduce, so every rank learns, at no extra collective, on how many ranks each parameter was
-used. That lets every rank raise the same error for an unused parameter (instead of one rank
-erroring while the others hang) and leave the ``.grad`` of a parameter unused everywhere untouched,
-exactly as single-process training would.
+Buckets launch in index order ([Note: when a bucket fires] in ``launch.py``) and carry a used
+flag per parameter ([Note: used flags] in ``buckets.py``); a step's facts live in its window
+([Note: the step window] in ``window.py``) and, for every rank, in bucket 0's tail ([Note:
+bucket 0's tail] in ``tail.py``).
 """
 
 from __future__ import annotations
@@ -30,6 +15,7 @@ import torch
 from torch.utils.hooks import RemovableHandle
 
 from gradsync.comm import CommHook
+from gradsync.ddp import owners
 from gradsync.ddp.buckets import AccumulatingBucket, Bucket
 from gradsync.ddp.checks import tags
 from gradsync.ddp.checks.param_watch import ParameterWatch
@@ -42,7 +28,8 @@ from gradsync.ddp.checks.verdicts import (
     judge,
 )
 from gradsync.ddp.compat.torch_reducer import TorchReducerMethods
-from gradsync.ddp.main_grads import start_window
+from gradsync.ddp.launch import LaunchQueue
+from gradsync.ddp.main_grads import move_main_grads, start_window
 from gradsync.ddp.options import SyncOptions
 from gradsync.ddp.plan import BucketSpec
 from gradsync.ddp.reduction import Reduction
@@ -55,11 +42,6 @@ from gradsync.optim.master import stamp_grads
 from gradsync.timing import StepTimeline, slots
 from gradsync.timing.ranges import span
 
-# id(parameter) -> the live reducer whose hooks it carries. Wrapping parameters again retires
-# the old reducer (removes its hooks): a re-wrap works, and the old wrapper says so if used.
-# Weak: an entry goes with its reducer, so this map never keeps a model alive.
-_OWNERS: weakref.WeakValueDictionary[int, Reducer] = weakref.WeakValueDictionary()
-
 
 class Reducer(TorchReducerMethods):
     """Owns the buckets, the hooks and the per-step state of gradient synchronisation.
@@ -69,8 +51,6 @@ class Reducer(TorchReducerMethods):
     and each rank waiting in ``join()`` (:meth:`shadow_backward`); autograd hooks and the
     end-of-backward callback do the rest.
     """
-
-    _scale: float | None = None  # this backward's pre-division (see Reduction)
 
     def __init__(
         self,
@@ -110,7 +90,7 @@ class Reducer(TorchReducerMethods):
         }
         self.window = StepWindow(len(self.params), self.world_size)
         self.retired = False  # a newer reducer (a new wrapper's, or a successor) took over
-        self.next_bucket = 0  # the next bucket to launch, in index order
+        self.queue = LaunchQueue(self.buckets, comm_hook, self.marks, options.check_finite)
         self.num_reductions = 0  # completed synchronised backward passes, for tests and logs
         # Parameters the first reduction found unused on some rank (see unused_last.py).
         self.first_unused: tuple[int, ...] | None = None
@@ -134,11 +114,7 @@ class Reducer(TorchReducerMethods):
         return tail
 
     def _take_over_parameters(self) -> list[RemovableHandle]:
-        for p in self.params:
-            previous = _OWNERS.get(id(p))
-            if previous is not None and previous is not self:
-                previous.retire()
-            _OWNERS[id(p)] = self
+        owners.take_over(self)  # retires the reducer that had them, if any
         # The hooks hold the reducer weakly: a parameter's hooks live in C++, where Python's
         # garbage collector cannot see a cycle through them back to the module.
         me = weakref.ref(self)
@@ -179,34 +155,19 @@ class Reducer(TorchReducerMethods):
         if old.window.phase in (Phase.ACCUMULATING, Phase.ARMED):
             new._continue_window(old)
         elif new.main_grads:
-            new._move_main_grads()
+            move_main_grads(new.params, new._views())
         return new
 
     def _continue_window(self, old: Reducer) -> None:
         self.window = old.window
-        if not self.main_grads:
-            return  # the window's gradients are in .grad, where autograd put them
-        for index, (b, slot) in self.location.items():
-            old_b, old_slot = old.location[index]
-            self.buckets[b].views[slot].copy_(old.buckets[old_b].views[old_slot])
+        if self.main_grads:  # else the window's gradients are in .grad, where autograd put them
+            for view, old_view in zip(self._views(), old._views(), strict=True):
+                view.copy_(old_view)
 
-    def _move_main_grads(self) -> None:
-        """Point every ``p.main_grad`` at its slot in this reducer's buckets, keeping its value.
-
-        The reduction writes ``main_grad`` only for parameters used on some rank; one unused
-        on every rank keeps the view it had. Left in the retired buckets, which no forward
-        zeroes any more, it would hold an old step's gradient for an optimizer to step on,
-        where the fixed plan (and one process) gives zeros. (A window an eval forward opened
-        is continued instead: ``main_grad`` then holds a copy of the last reduction, not a
-        view of the buckets; see [Note: eval forwards keep main gradients].)"""
-        for index, param in enumerate(self.params):
-            main = getattr(param, "main_grad", None)
-            if main is None:
-                continue  # never reduced: no main_grad yet, as with the fixed plan
-            b, slot = self.location[index]
-            view = self.buckets[b].views[slot]
-            view.copy_(main)
-            param.main_grad = view  # type: ignore[attr-defined]
+    def _views(self) -> list[torch.Tensor]:
+        """Each trainable parameter's slot in the buckets, in parameter order."""
+        where = (self.location[i] for i in range(len(self.params)))
+        return [self.buckets[b].views[slot] for b, slot in where]
 
     def resume_from(self, num_reductions: int) -> None:
         """Continue the step count of a checkpoint whose parameters were loaded on every rank."""
@@ -287,16 +248,13 @@ class Reducer(TorchReducerMethods):
             raise gradient_without_forward(self.names[index], self.rank)
         else:  # ARMED: the first gradient of a synchronised backward
             self._start_reduction()
-        bucket = self.buckets[b]
-        if bucket.ready[slot]:
+        if self.buckets[b].ready[slot]:
             raise gradient_twice(self.names[index])
-        bucket.arrive(slot)
-        if bucket.pending == 0:
-            self._launch_ready_buckets()
+        self.queue.arrive(b, slot, window.used)
 
     def _start_reduction(self) -> None:
         self.window.start_reduction()
-        self._scale = self._pre_division()
+        self.queue.scale = self._pre_division()
         self.deadline.begin(f"the gradient reduction of step {self.num_reductions}")
         self._write_tail(contributes=True)
         self.reduction.start_item_exchange(contributes=True)
@@ -325,29 +283,6 @@ class Reducer(TorchReducerMethods):
             slots.RIDER: self.timeline.outgoing(len(self.specs)),  # the last interval, if any
         })  # fmt: skip
 
-    def _launch_ready_buckets(self) -> None:
-        # In index order only; see [Note: when a bucket fires].
-        while self.next_bucket < len(self.buckets) and self.buckets[self.next_bucket].pending == 0:
-            self._launch(self.buckets[self.next_bucket])
-            self.next_bucket += 1
-
-    def _launch(self, bucket: Bucket) -> None:
-        with span("bucket_copy_in"):
-            bucket.gather(self._scale)
-        if self.options.check_finite:
-            bucket.flag_finite()  # read with the step's readout
-        if bucket.filled_late:
-            used = self.window.used
-            flags = [1.0 if used[i] else 0.0 for i in bucket.spec.param_indices]
-            cuda = bucket.buffer.is_cuda  # pinned and non-blocking: the host does not wait
-            host = torch.tensor(flags, dtype=bucket.buffer.dtype, pin_memory=cuda)
-            bucket.used_flags.copy_(host, non_blocking=cuda)
-        else:  # every slot was filled by its hook: all used (no host-to-device copy needed)
-            bucket.used_flags.fill_(1.0)
-        self.marks.launched(bucket.spec.index)
-        with span("bucket_launch"):
-            bucket.work = self.comm_hook.start(bucket)
-
     def finish_gradient_synchronization(self) -> None:
         """Wait for every bucket and write the reduced gradients to ``.grad``.
 
@@ -374,7 +309,9 @@ class Reducer(TorchReducerMethods):
     # -- end of backward: launch the rest, wait, read, check, write back ----------------------
     def _complete(self, shadow: bool, write_back: bool) -> None:
         try:
-            self._launch_remaining(zeros=shadow)
+            # Buckets holding parameters without a gradient in this pass never filled up.
+            self.queue.scale = self._pre_division()
+            self.queue.launch_rest(zeros=shadow, used=self.window.used)
             with span("bucket_wait"):
                 self._wait_all()
             self.marks.synced()  # the end of the step's collectives: see [Note: step phases]
@@ -414,16 +351,6 @@ class Reducer(TorchReducerMethods):
             find_unused_parameters=self.options.tolerates_unused,
         )  # fmt: skip
 
-    def _launch_remaining(self, zeros: bool) -> None:
-        # Buckets holding parameters without a gradient in this pass never filled up.
-        scale = self._scale = self._pre_division()
-        for bucket in self.buckets[self.next_bucket :]:
-            for slot in range(len(bucket.params)):
-                if not bucket.ready[slot]:
-                    bucket.fill_late(slot, scale, zeros=zeros)
-        self._launch_ready_buckets()
-        assert self.next_bucket == len(self.buckets)
-
     def _wait_all(self) -> None:
         step = f"step {self.num_reductions}"
         if self.reduction.exchange is not None:
@@ -439,9 +366,7 @@ class Reducer(TorchReducerMethods):
             self.deadline.wait_device(done, f"the gradient reduction of {step}")
 
     def _reset(self) -> None:
-        for bucket in self.buckets:
-            bucket.reset()
-        self.next_bucket = 0
+        self.queue.reset()
         self.reduction.reset()
         self.window = StepWindow(len(self.params), self.world_size)  # the next step's
 

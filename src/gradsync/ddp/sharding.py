@@ -45,7 +45,7 @@ optimizer state, the point of ZeRO-1, is sharded either way.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -56,10 +56,12 @@ from gradsync.comm import CommStats, Handle
 from gradsync.comm.ring import Ring, RingRunner, group_ring
 from gradsync.comm.worker import SerialWorker
 from gradsync.ddp.checks.verdicts import per_rank_lines
+from gradsync.ddp.options import SyncOptions
+from gradsync.ddp.owners import deadline_peers
 from gradsync.ddp.plan import BucketSpec
-from gradsync.ddp.reducer import _OWNERS
 from gradsync.errors import GradsyncError, ParametersChangedError, UsageError
 from gradsync.failfast.deadline import Deadline
+from gradsync.mesh.dtensors import GradLayout
 from gradsync.optim import agree, clip
 from gradsync.optim.buffers import FlatBucket
 from gradsync.optim.sharded import ShardedOptimizer
@@ -157,8 +159,20 @@ class ShardedSteps:
         return self._step
 
 
-def refuse_unsupported(settings: Mapping[str, bool]) -> None:
-    """Raise ``UsageError`` naming every setting that ``settings`` marks as switched on."""
+def refuse_unsupported(
+    options: SyncOptions, layouts: Sequence[GradLayout | None], torch_hook: bool
+) -> None:
+    """Raise ``UsageError`` naming every setting of a wrapper (``options``, its parameters'
+    DTensor ``layouts``, a registered ``torch_hook``) that ZeRO-1 does not support."""
+    settings = {
+        "main_grad_dtype": options.main_grad_dtype is not None,
+        "algorithm": options.all_reduce.name != "native",
+        "compression": options.compression is not None or torch_hook,
+        "check_finite": options.check_finite,
+        "DTensor parameters": any(layout is not None for layout in layouts),
+        # The optimizer's layout follows the buckets, which "auto" replaces after a few steps.
+        "bucket_cap_mb='auto'": options.auto,
+    }
     bad = [name for name, on in settings.items() if on]
     if bad:
         raise UsageError(f"shard_optimizer() does not support {', '.join(bad)} yet")
@@ -184,36 +198,6 @@ def shard(
     )
     names = {id(p): name for name, p in named}
     return ShardedSteps(opt, deadline, deadline_peers(deadline, names))
-
-
-def deadline_peers(deadline: Deadline, names: dict[int, str]) -> agree.Peers:
-    """The ranks of a wrapper, compared under its deadline on its private group (see [Note:
-    optimizer settings agree across ranks] in ``optim/agree.py``)."""
-
-    def reduce_max(values: list[int]) -> list[int]:
-        t = torch.tensor(values, dtype=torch.int64, device=deadline.device)
-        deadline.all_reduce(t, "the check that every rank steps alike", dist.ReduceOp.MAX)
-        return [int(v) for v in t.tolist()]
-
-    def gather(obj: Any) -> list[Any]:
-        return deadline.gather_objects(obj, "the comparison of the ranks' optimizer steps")
-
-    return agree.Peers(reduce_max, gather, names)
-
-
-def _wrapper_peers(params: Sequence[torch.Tensor]) -> agree.Peers | None:
-    """The ranks of the gradsync wrapper that holds ``params`` (its reducer's), for
-    ``MasterWeights``' first-step comparison ([Note: MasterWeights compares settings across
-    ranks] in ``optim/master.py``); ``None``: no wrapper, or a world of one."""
-    reducer = next((r for p in params if (r := _OWNERS.get(id(p))) is not None), None)
-    if reducer is None or reducer.world_size == 1:
-        return None
-    names = dict(zip(map(id, reducer.params), reducer.names, strict=True))
-    return deadline_peers(reducer.deadline, names)
-
-
-# The optimizers sit below the wrapper and cannot look it up: it tells them here.
-agree.add_peer_finder(_wrapper_peers)
 
 
 def _refuse_changed_parameters(changes: list[str], deadline: Deadline) -> None:

@@ -22,28 +22,28 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 from gradsync.comm import AllReduceAlgorithm, CommHook, torch_hooks
-from gradsync.comm.formats import Compression, describe_compression, make_comm_hook, wire_bytes
+from gradsync.comm.formats import Compression, describe_compression
 from gradsync.ddp import sharding
+from gradsync.ddp.build import first_reducer
 from gradsync.ddp.checks.diagnostics import check_can_wrap, check_replicas
-from gradsync.ddp.checks.model import check_same_model, describe, refuse_everywhere
+from gradsync.ddp.checks.model import make_replicas_equal, refuse_everywhere
 from gradsync.ddp.checks.param_watch import ParameterWatch
 from gradsync.ddp.compat import torch_args
-from gradsync.ddp.compat.state_keys import refuse_mid_step, refuse_unloadable, strip_prefixes
+from gradsync.ddp.compat.state_keys import strip_prefixes
 from gradsync.ddp.compat.torch_args import Device
 from gradsync.ddp.compat.torch_surface import TorchSurface
 from gradsync.ddp.forward import ForwardProtocol, Lifecycle, WrapperOps
 from gradsync.ddp.join import JoinProtocol, JoinRounds
 from gradsync.ddp.main_grads import check_main_grad_dtype
 from gradsync.ddp.options import Setting, SyncOptions
-from gradsync.ddp.plan import BucketSpec, cap_to_bytes, plan_buckets, resolve_cap
+from gradsync.ddp.plan import BucketSpec, cap_to_bytes, plan_buckets
 from gradsync.ddp.reducer import Reducer
-from gradsync.ddp.reduction import Reduction
 from gradsync.ddp.replan.autoplan import BucketPlan
 from gradsync.ddp.replan.autotune import AutoBuckets
 from gradsync.errors import ProtocolError, UsageError
 from gradsync.failfast.deadline import as_timedelta, new_wrapper_deadline
 from gradsync.mesh.axes import axis_names, data_parallel_group
-from gradsync.mesh.dtensors import grad_layouts, local
+from gradsync.mesh.dtensors import grad_layouts
 from gradsync.optim.sharded import ShardedOptimizer
 from gradsync.timing import StepTimeline
 
@@ -57,36 +57,28 @@ class DistributedDataParallel(TorchSurface, TorchDDP):  # type: ignore[override]
     Lightning and torch.compile treat it as one) while none of torch's reducer runs: see
     ``torch_surface.py`` for every torch DDP member and what gradsync does for it.
 
-    Args (torch's, in torch's order; what each does here is in ``torch_args.py``):
+    Args (torch's, in torch's order; what each does here is in ``compat/torch_args.py``):
         module: the model; every rank must hold the same parameter names, shapes, dtypes and
-            ``requires_grad`` flags (checked here; a mismatch raises ``ModelMismatchError``, a
-            ``ValueError``, on every rank).
+            ``requires_grad`` flags (else ``ModelMismatchError``, a ``ValueError``, on every
+            rank).
         device_ids, output_device, dim, broadcast_buffers, init_sync, process_group,
-            find_unused_parameters, gradient_as_bucket_view, static_graph,
-            forward_sync_buffers, and the rest of torch's: torch's meaning, or refused with
-            what to use instead (``mixed_precision``, ``bucket_cap_mb_list``, the delayed
-            all-reduce pair).
+            find_unused_parameters, gradient_as_bucket_view, static_graph and the rest:
+            torch's meaning, or refused with what to use instead (``mixed_precision``,
+            ``bucket_cap_mb_list``, the delayed all-reduce pair).
         bucket_cap_mb: bucket size in MiB. ``None`` or ``"scaled"`` (the default): an eighth
-            of the gradients' bytes, between 1 and 25 MiB (see [Note: the default bucket cap]
-            in ``plan.py``); ``0``: one all-reduce per parameter; ``math.inf``: one bucket
-            (per dtype); ``"auto"``: chosen from this job's profile after a few steps
-            (:attr:`bucket_plan`; [Note: switching the bucket plan] in ``autotune.py``).
+            of the gradients' bytes, 1 to 25 MiB ([Note: the default bucket cap] in
+            ``plan.py``); ``0``: one all-reduce per parameter; ``math.inf``: one bucket per
+            dtype; ``"auto"``: chosen from this job's profile (:attr:`bucket_plan`).
         device_mesh: instead of ``process_group``, the (sub-)mesh whose ranks saw different
             data, e.g. ``mesh["dp"]`` or ``mesh["dp", "cp"]`` (never a tensor-parallel axis).
-            DTensor parameters' local shards are reduced; their gradients stay DTensors.
 
-    Keyword-only, gradsync's own (each documented on its field of ``gradsync.SyncOptions``):
-        first_bucket_cap_mb: a lower cap for the first bucket, so communication starts early.
-        reduction: ``"mean"`` over ranks, ``"sum"``, or ``"item_mean"``: the sum divided by
-            the items declared with :meth:`count_items` over every rank and micro-batch.
-        algorithm, compression: the all-reduce of every bucket (``gradsync.comm.ALGORITHMS``)
-            and the gradients' wire format (``None``, ``"bf16"``, ``"fp16"``, ``PowerSGD``).
-        timeout: the deadline of each of gradsync's collectives; past it every waiting rank
-            raises ``CollectiveTimeoutError`` saying what it waited for.
-        check_finite, check_replicas_every: NaN/Inf check per bucket before communication;
-            parameter checksums compared across ranks every this many steps.
-        main_grad_dtype: accumulate and reduce gradients in this dtype, into ``p.main_grad``.
-        straggler_every: steps per straggler report of :attr:`timeline` (``0``: off).
+    Keyword-only, gradsync's own, each documented on its field of ``SyncOptions``
+    (``ddp/options.py``): ``first_bucket_cap_mb``; ``reduction`` (``"mean"``, ``"sum"`` or
+    ``"item_mean"``: divided by the items declared with :meth:`count_items`); ``algorithm``
+    and ``compression`` (``None``, ``"bf16"``, ``"fp16"``, ``PowerSGD``); ``timeout`` (past
+    it every waiting rank raises ``CollectiveTimeoutError``); ``check_finite``;
+    ``check_replicas_every``; ``main_grad_dtype`` (gradients into ``p.main_grad``);
+    ``straggler_every`` (steps per report of :attr:`timeline`, ``0``: off).
     """
 
     _torch_hook: Callable[..., Any] | None = None  # set by register_comm_hook
@@ -146,16 +138,22 @@ class DistributedDataParallel(TorchSurface, TorchDDP):  # type: ignore[override]
         self._sync_backward = self.require_forward_param_sync = True  # torch's flags
         self.skip_all_reduce_unused_params = skip_all_reduce_unused_params  # torch's hints: the
         self.batched_grad_copy = batched_grad_copy  # results are the same either way
-        self.timeline = StepTimeline.of(self.options.straggler_every, self._deadline)
-        self._make_replicas_equal(self.options.settings(axis_names(device_mesh)))
-        self.reducer = self._first_reducer()
-        self._join, self._forward = self._protocols()
+        self._build(axis_names(device_mesh))
 
-    def _protocols(self) -> tuple[JoinProtocol, ForwardProtocol]:
-        """The join protocol and the forward protocol, which reach the wrapper through what it
-        hands them here (its reducer in place, the operations that replace it)."""
+    def _build(self, axes: tuple[str, ...]) -> None:
+        """Make the replicas equal; build the reducer, and the protocols, which reach the
+        wrapper through what it hands them (``axes``: the mesh axes reduced over, if any)."""
+        self.timeline = StepTimeline.of(self.options.straggler_every, self._deadline)
+        named_params, named_buffers = self._named_parameters(), self._named_buffers()
+        settings = self.options.settings(axes)
+        make_replicas_equal(named_params, named_buffers, self.options, settings, self._deadline)
+        self._buffers_to_sync = [b for _, b in named_buffers]
+        watch = ParameterWatch(self.module, self.parameters_to_ignore)
+        self.reducer, self.bucket_sizes, self.bucket_cap_mb = first_reducer(
+            watch, self.options, self._deadline, self.timeline, self._layouts, self.module
+        )
         me = weakref.proxy(self)  # no cycle: a dropped wrapper is freed at once, not by the gc
-        join = JoinProtocol(self._deadline, me, JoinRounds(  # type: ignore[arg-type]
+        self._join = JoinProtocol(self._deadline, me, JoinRounds(  # type: ignore[arg-type]
             lambda: me.reducer, lambda: me._broadcast_buffers(), lambda: me._take_final_state()
         ))  # fmt: skip
         ops = WrapperOps(
@@ -164,8 +162,9 @@ class DistributedDataParallel(TorchSurface, TorchDDP):  # type: ignore[override]
             lambda: (me.bucket_sizes, me.bucket_cap_mb),
         )  # fmt: skip
         inputs_to = self.device if self.device_ids else None  # torch's rule, with device_ids
-        return join, ForwardProtocol(self.options, self._deadline, join, self.timeline, ops,
-                                     inputs_to)  # fmt: skip
+        self._forward = ForwardProtocol(
+            self.options, self._deadline, self._join, self.timeline, ops, inputs_to
+        )
 
     # -- the settings, as torch DDP exposes them (read-only: they must agree across ranks) ----
     reduction, broadcast_buffers, compression, timeout = Setting(), Setting(), Setting(), Setting()
@@ -184,57 +183,16 @@ class DistributedDataParallel(TorchSurface, TorchDDP):  # type: ignore[override]
         return [(n, p) for n, p in self.module.named_parameters() if n not in ignore]
 
     def _named_buffers(self) -> list[tuple[str, torch.Tensor]]:
-        ignore = self.parameters_to_ignore
-        return [(n, b) for n, b in self.module.named_buffers() if n not in ignore]
-
-    def _make_replicas_equal(self, settings: dict[str, Any]) -> None:
-        """Check that every rank holds the same model and settings, then copy rank 0's state
-        (with ``init_sync=False``: check that the parameters already are rank 0's)."""
-        named_params, named_buffers = self._named_parameters(), self._named_buffers()
-        check_same_model(describe(named_params, named_buffers), settings, self._deadline)
-        options = self.options
-        sent = [p.data for _, p in named_params] if options.init_sync else []
-        sent += [b for _, b in named_buffers] if options.init_sync_buffers else []
-        if sent:
-            what = "the initial broadcast of rank 0's parameters and buffers"
-            self._deadline.broadcast(sent, 0, what)
-        if not options.init_sync:
-            hint = "init_sync=False needs equal replicas: seed the model the same on every rank"
-            check_replicas(named_params, self._deadline, hint)
-        self._buffers_to_sync = [b for _, b in named_buffers]
+        return [
+            (n, b) for n, b in self.module.named_buffers() if n not in self.parameters_to_ignore
+        ]
 
     # -- the reducer: built here, replaced only here -------------------------------------------
-    def _first_reducer(self) -> Reducer:
-        """Plan the buckets of the trainable parameters and hook them up."""
-        options, watch = self.options, ParameterWatch(self.module, self.parameters_to_ignore)
-        # named_parameters() already yields a tied parameter once, so it is reduced once.
-        named = [(n, p) for n, p in watch.named if p.requires_grad]
-        # (numel, dtype) of each trainable parameter's gradient as the buckets hold it.
-        sizes = [(local(p).numel(), self.main_grad_dtype or p.dtype) for _, p in named]
-        self.bucket_sizes = sizes
-        wire = wire_bytes(self.compression, named, sizes)
-        self.bucket_cap_mb = resolve_cap(options.bucket_cap_mb, sizes, wire)
-        specs = plan_buckets(
-            sizes, cap_to_bytes(self.bucket_cap_mb), cap_to_bytes(options.first_bucket_cap_mb)
-        )
-        device = local(named[0][1]).device if named else torch.device("cpu")
-        group = self._deadline.group
-        hook = make_comm_hook(
-            self.compression, self.algorithm, group, named, grad_dtype=self.main_grad_dtype,
-            owner=self.module, keep_undo=options.check_finite,
-        )  # fmt: skip
-        reduction = Reduction(self.reduction, group, device)
-        return Reducer(
-            watch, specs, options, deadline=self._deadline, comm_hook=hook,
-            reduction=reduction, timeline=self.timeline, layouts=self._layouts,
-        )  # fmt: skip
-
     def _replace_reducer(
         self, specs: list[BucketSpec], *, comm_hook: CommHook | None = None,
     ) -> Reducer:  # fmt: skip
-        """Install a reducer with buckets ``specs`` (and ``comm_hook``) that
-        continues the current one's step count and open window (``Reducer.succeed``); the
-        only way the reducer changes after construction. Only between optimizer steps."""
+        """Install a reducer with buckets ``specs`` (and ``comm_hook``) that continues the
+        current one (``Reducer.succeed``): the only way the reducer changes, between steps."""
         self.reducer = Reducer.succeed(self.reducer, specs, comm_hook=comm_hook)
         return self.reducer
 
@@ -319,9 +277,8 @@ class DistributedDataParallel(TorchSurface, TorchDDP):  # type: ignore[override]
     ) -> AbstractContextManager[Any]:  # fmt: skip
         """Train on uneven data: ``with model.join(optimizer):`` is gradsync's exact form,
         ``with model.join():`` torch DDP's (see ``JoinProtocol.join`` in ``join.py``)."""
-        return self._join.join(
-            optimizer, divide_by_initial_world_size, enable, throw_on_early_termination
-        )
+        torchs = divide_by_initial_world_size, enable, throw_on_early_termination
+        return self._join.join(optimizer, *torchs)
 
     def _take_final_state(self) -> None:
         """The end of a join: every rank takes the state of a rank that was active last."""
@@ -346,13 +303,10 @@ class DistributedDataParallel(TorchSurface, TorchDDP):  # type: ignore[override]
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
-        """Accumulate gradients locally for forwards run inside this context.
-
-        As in torch DDP the forward decides: the backward of a forward run inside ``no_sync``
-        does not communicate, and the next synchronised backward reduces everything
-        accumulated, once per bucket. It sets :attr:`require_backward_grad_sync` to ``False``,
-        which a training loop may also set itself, as torch DDP allows (nanoGPT does).
-        """
+        """Accumulate gradients locally for forwards run inside this context. As in torch DDP
+        the forward decides: the backward of a forward run inside ``no_sync`` does not
+        communicate; the next synchronised backward reduces everything accumulated, once per
+        bucket. It sets :attr:`require_backward_grad_sync`, as a loop may (nanoGPT does)."""
         previous = self.require_backward_grad_sync
         self.require_backward_grad_sync = False
         try:
@@ -367,15 +321,7 @@ class DistributedDataParallel(TorchSurface, TorchDDP):  # type: ignore[override]
         torch's DDP with ``ZeroRedundancyOptimizer``: ``.grad`` is reduced as always, and
         ``opt.step()`` steps this rank's slices and all-gathers them ([Note: sharded steps in
         the wrapper] in ``sharding.py``). On every rank, once, before the first forward."""
-        sharding.refuse_unsupported({
-            "main_grad_dtype": self.main_grad_dtype is not None,
-            "algorithm": self.algorithm.name != "native",
-            "compression": self.compression is not None or self._torch_hook is not None,
-            "check_finite": self.options.check_finite,
-            "DTensor parameters": any(layout is not None for layout in self._layouts),
-            # The optimizer's layout follows the buckets, which "auto" replaces after a few steps.
-            "bucket_cap_mb='auto'": self.bucket_tuner is not None,
-        })  # fmt: skip
+        sharding.refuse_unsupported(self.options, self._layouts, self._torch_hook is not None)
         if self.lifecycle is not Lifecycle.CONFIGURABLE or self._sharded is not None:
             raise ProtocolError("shard_optimizer() must be called once, before the first forward")
         reducer = self.reducer
@@ -419,8 +365,7 @@ class DistributedDataParallel(TorchSurface, TorchDDP):  # type: ignore[override]
     @property
     def bucket_plan(self) -> BucketPlan | None:
         """With ``bucket_cap_mb="auto"``, the plan chosen (``None`` before the switch)."""
-        tuner = self.bucket_tuner
-        return tuner.plan if tuner is not None else None
+        return self.bucket_tuner.plan if self.bucket_tuner is not None else None
 
     @property
     def bucket_tuner(self) -> AutoBuckets | None:
@@ -444,32 +389,12 @@ class DistributedDataParallel(TorchSurface, TorchDDP):  # type: ignore[override]
 
     def sync_state_dict(self) -> dict[str, Any]:
         """gradsync's own training state (``state_dict()`` stays the module's): the step
-        counter, the last replica check, the bucket plan and the compression's state (tensors).
-
-        Raises ``ProtocolError`` between the forwards of an accumulation window or inside
-        ``join()``: gradients accumulated under ``no_sync()`` are not part of any checkpoint,
-        so a checkpoint taken there could not continue the step.
-        """
-        refuse_mid_step(self.reducer.window_open, self._join.joining)
-        reducer, comm = self.reducer, self.reducer.comm_hook.state_dict()
-        state: dict[str, Any] = {
-            "num_reductions": reducer.num_reductions,
-            "replicas_checked_at": self._forward.replicas_checked_at,
-        }
-        if (last := self._forward.unused_last.state()) is not None:
-            state["unused_last"] = last  # the buckets' plan (see unused_last.py)
-        return {**state, "comm": comm} if comm else state
+        counter, the last replica check, the bucket plan and the compression's state. Raises
+        ``ProtocolError`` inside an accumulation window or ``join()``: gradients accumulated
+        under ``no_sync()`` are in no checkpoint, so one taken there could not continue."""
+        return self._forward.sync_state()
 
     def load_sync_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Continue the step counter from a checkpoint (see :meth:`sync_state_dict`).
-
-        A collective (one small all-gather), so that a state one rank cannot load is refused on
-        every rank before any rank has changed anything."""
-        refuse_mid_step(self.reducer.window_open, self._join.joining)
-        hook = self.reducer.comm_hook
-        refuse_unloadable(hook, describe_compression(self.compression), state, self._deadline)
-        self._forward.unused_last.load(state.get("unused_last"), self._plan_last)
-        self.reducer.resume_from(int(state["num_reductions"]))
-        self._forward.resume(int(state["replicas_checked_at"]))
-        if "comm" in state:
-            hook.load_state_dict(state["comm"])
+        """Continue from :meth:`sync_state_dict`. A collective (one small all-gather): a state
+        one rank cannot load is refused on every rank before any rank has changed anything."""
+        self._forward.load_sync_state(state, describe_compression(self.compression))

@@ -3,11 +3,13 @@ settings before rank 0's state is broadcast to them."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple, NoReturn
 
 import torch
 
+from gradsync.ddp.checks.diagnostics import check_replicas
+from gradsync.ddp.options import SyncOptions
 from gradsync.errors import ModelMismatchError, UsageError
 from gradsync.failfast.deadline import Deadline
 from gradsync.mesh.dtensors import local, placement_text
@@ -100,3 +102,22 @@ def _fmt(row: Row) -> str:
     _, _, shape, dtype, requires_grad, placements = row
     where = f", placements ({placements})" if placements else ""
     return f"shape {list(shape)}, {dtype}, requires_grad={requires_grad}{where}"
+
+
+def make_replicas_equal(
+    named_params: Sequence[tuple[str, torch.Tensor]],
+    named_buffers: Sequence[tuple[str, torch.Tensor]],
+    options: SyncOptions,
+    settings: dict[str, Any],
+    deadline: Deadline,
+) -> None:
+    """Check that every rank holds the same model and ``settings``, then copy rank 0's state
+    (with ``options.init_sync=False``: check that the parameters already are rank 0's)."""
+    check_same_model(describe(named_params, named_buffers), settings, deadline)
+    sent = [p.data for _, p in named_params] if options.init_sync else []
+    sent += [b for _, b in named_buffers] if options.init_sync_buffers else []
+    if sent:
+        deadline.broadcast(sent, 0, "the initial broadcast of rank 0's parameters and buffers")
+    if not options.init_sync:
+        hint = "init_sync=False needs equal replicas: seed the model the same on every rank"
+        check_replicas(list(named_params), deadline, hint)

@@ -32,6 +32,7 @@ from torch.nn.modules import module as torch_module
 
 _registrations = itertools.count(1)
 _generation = 0  # bumped whenever any module anywhere registers a parameter or submodule
+_listening = False  # torch's two global hooks are installed (by the first watch, not at import)
 
 
 def _bump(*_args: object) -> None:
@@ -39,8 +40,15 @@ def _bump(*_args: object) -> None:
     _generation = next(_registrations)
 
 
-torch_module.register_module_parameter_registration_hook(_bump)
-torch_module.register_module_module_registration_hook(_bump)
+def _listen() -> None:
+    """Install torch's global registration hooks, once: with the first model wrapped, so that
+    importing gradsync changes nothing in torch. A registration before the first watch needs
+    no count: a watch walks its module when it is built."""
+    global _listening
+    if not _listening:
+        torch_module.register_module_parameter_registration_hook(_bump)
+        torch_module.register_module_module_registration_hook(_bump)
+        _listening = True
 
 
 class ParameterWatch:
@@ -48,6 +56,7 @@ class ParameterWatch:
     (parameters named in ``ignore`` are not data-parallel: torch DDP's ignore list)."""
 
     def __init__(self, module: nn.Module, ignore: AbstractSet[str] = frozenset()) -> None:
+        _listen()
         self.module, self.ignore = module, ignore
         self.named = self._current()
         self.trainable = [p.requires_grad for _, p in self.named]

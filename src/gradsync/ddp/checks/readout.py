@@ -1,7 +1,7 @@
 """The step's readout: what every rank reads after a step's reduction, in one device-to-host
 copy.
 
-The used counts ([Note: used flags] in ``reducer.py``), bucket 0's tail (every rank's step
+The used counts ([Note: used flags] in ``buckets.py``), bucket 0's tail (every rank's step
 tag and timings: [Note: bucket 0's tail] in ``tail.py``), the finite flag of each bucket
 (``check_finite``) and the global item count (``item_mean``) are concatenated and read in one
 ``tolist()``: on CUDA each read is a sync point, so there is one per step, not one per bucket

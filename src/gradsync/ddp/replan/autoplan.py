@@ -6,7 +6,7 @@ one big bucket pays it once but cannot start before the last gradient. Given whe
 becomes ready and what a collective of ``n`` bytes costs on this group, this module predicts the
 end of a step's communication for a candidate plan and picks the plan that ends first.
 
-The prediction is a simulation of [Note: when a bucket fires] in ``reducer.py``: buckets launch
+The prediction is a simulation of [Note: when a bucket fires] in ``launch.py``: buckets launch
 in index order, one after another on the wire, so bucket ``b`` starts when its last gradient is
 ready *and* bucket ``b - 1`` has finished, and takes ``latency + bytes / bandwidth``. Everything
 here is pure (numbers in, a plan out), so it is tested without a process group; the runtime

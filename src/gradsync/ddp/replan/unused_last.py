@@ -1,7 +1,7 @@
 """Parameters that get no gradient go to the last buckets, once, after the first step.
 
 [Note: unused parameters and overlap]
-Buckets launch in index order (see [Note: when a bucket fires] in ``reducer.py``). With
+Buckets launch in index order (see [Note: when a bucket fires] in ``launch.py``). With
 ``find_unused_parameters=True`` (or ``static_graph``) a parameter that gets no gradient in a step
 leaves its bucket pending until the end of backward, where it is filled late, and every later
 bucket waits behind it. An unused parameter among the last layers (a head the loss skips, a
