@@ -24,12 +24,15 @@ not either), so a mismatch is confirmed with exact checksums before anything is 
 from __future__ import annotations
 
 import itertools
+import operator
 from collections.abc import Callable
 from collections.abc import Set as AbstractSet
 
 from torch import nn
 from torch.nn.modules import module as torch_module
 
+_requires_grad = operator.attrgetter("requires_grad")
+_version = operator.attrgetter("_version")  # bumped by every in-place update of a tensor
 _registrations = itertools.count(1)
 _generation = 0  # bumped whenever any module anywhere registers a parameter or submodule
 _listening = False  # torch's two global hooks are installed (by the first watch, not at import)
@@ -59,7 +62,8 @@ class ParameterWatch:
         _listen()
         self.module, self.ignore = module, ignore
         self.named = self._current()
-        self.trainable = [p.requires_grad for _, p in self.named]
+        self._params = [p for _, p in self.named]  # the per-step passes read these alone
+        self.trainable = [p.requires_grad for p in self._params]
         self._generation = _generation
         self._wrapped_ids = [id(p) for _, p in self.named]
         self._walked_ids = self._wrapped_ids
@@ -70,11 +74,15 @@ class ParameterWatch:
 
     def changes(self) -> list[str]:
         """What differs from wrapping time, one phrase per parameter (empty: nothing)."""
-        found = [
-            f"'{name}' requires_grad {'False -> True' if p.requires_grad else 'True -> False'}"
-            for (name, p), was in zip(self.named, self.trainable, strict=True)
-            if p.requires_grad != was
-        ]
+        found = []
+        # Every training forward asks: compare the flags as one list first (nearly always
+        # equal), and build phrases only when some flag flipped.
+        if list(map(_requires_grad, self._params)) != self.trainable:
+            found = [
+                f"'{name}' requires_grad {'False -> True' if p.requires_grad else 'True -> False'}"
+                for (name, p), was in zip(self.named, self.trainable, strict=True)
+                if p.requires_grad != was
+            ]
         if _generation != self._generation:
             self._generation = _generation
             self._walked_ids = [id(p) for _, p in self._current()]
@@ -108,7 +116,7 @@ class ParameterWatch:
     def version_sum(self) -> int:
         if self.count_updates is not None:
             return self.count_updates()
-        return sum(p._version for _, p in self.named)
+        return sum(map(_version, self._params))  # once per step: no Python loop body
 
     def count_with(self, count_updates: Callable[[], int]) -> None:
         """Count updates with ``count_updates`` from now on, instead of version counters: a

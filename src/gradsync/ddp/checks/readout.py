@@ -65,18 +65,18 @@ def read_step(
 
 def _read(buckets: Sequence[Bucket], check_finite: bool, reduction: Reduction) -> list[float]:
     """Every value the checks need, from the device in one copy."""
-    flags = [b.used_flags for b in buckets]
-    parts = []
-    if flags:  # one cat per dtype, not one conversion per bucket
-        same = len({f.dtype for f in flags}) == 1
-        parts.append(torch.cat(flags if same else [f.double() for f in flags]))
+    parts = [b.used_flags for b in buckets]
+    if buckets:
         parts.append(buckets[0].tail)
     if check_finite and buckets:
         parts.append(torch.stack([torch.isfinite(b.grads).all() for b in buckets]))
         parts.extend(b.local_finite for b in buckets if b.local_finite is not None)
     if reduction.counts_items:
         parts.append(reduction.total_items)
-    return torch.cat([p.to(torch.float64) for p in parts]).tolist() if parts else []
+    # One cat, which promotes mixed dtypes to one that holds every value exactly (bool flags,
+    # a bf16 bucket's counts, the float64 item total), and one read: a cat per dtype and a
+    # conversion per part cost more than the values they carry (a few hundred per step).
+    return torch.cat(parts).tolist() if parts else []
 
 
 def _parse(
