@@ -71,9 +71,11 @@ class TailLayout:
             raise ValueError(f"bucket 0's tail holds {tail.numel()} values, not {self.numel}")
         self._tail = tail
         self._mine = tail[self.rank * self.width : (self.rank + 1) * self.width]
-        # To the device through a pinned buffer and a non-blocking copy: a plain host-to-device
-        # copy would wait for the GPU at the start of every backward.
-        self._staging = torch.empty(self.width, dtype=tail.dtype, pin_memory=tail.is_cuda)
+        # To a GPU through a pinned buffer and a non-blocking copy: a plain host-to-device copy
+        # would wait for the GPU at the start of every backward. On the CPU: a plain copy.
+        self._staging = (
+            torch.empty(self.width, dtype=tail.dtype, pin_memory=True) if tail.is_cuda else None
+        )
         self.written = [0.0] * self.width
 
     def write(self, records: Mapping[str, Sequence[float] | None]) -> None:
@@ -91,7 +93,11 @@ class TailLayout:
             values[rider.offset : rider.offset + rider.width] = record
         self.written = values
         self._tail.zero_()
-        if any(values):
+        if not any(values):
+            return
+        if self._staging is None:
+            self._mine.copy_(torch.tensor(values))
+        else:
             self._staging.copy_(torch.tensor(values))
             self._mine.copy_(self._staging, non_blocking=True)
 
