@@ -75,7 +75,18 @@ def misbehave(fault: str, ddp: gradsync.DistributedDataParallel) -> None:
     elif fault == "sigkill-inside":
         # Runs after gradsync's own hook on this parameter, the last to get its gradient.
         first = ddp.module[0].weight
-        first.register_post_accumulate_grad_hook(lambda _: os.kill(os.getpid(), signal.SIGKILL))
+        first.register_post_accumulate_grad_hook(lambda _: _kill_once_recorded())
+
+
+def _kill_once_recorded() -> None:
+    """SIGKILL this rank once its arrival record of the reduction has reached the store.
+
+    A TCPStore ``set`` is not answered, so the record may still be on its way when the process
+    dies, and the others would read the previous one ("last seen at step 3 (then it died)"):
+    the test's message would depend on which came first. A ``check`` on the same store
+    connection is answered after the ``set`` before it, so the kill comes after the record."""
+    dist.distributed_c10d._get_default_store().check(["fault_job/after-the-record"])
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 if __name__ == "__main__":
