@@ -8,7 +8,8 @@ FAULT is one of ``sigstop`` (rank 1 stops itself), ``sigkill`` (rank 1 kills its
 (rank 1 kills itself during backward, once its gradient reduction has begun: rank 0 is then
 inside the all-reduce with it, and rank 1's arrival record says it got there). The job uses
 torch's default process-group timeout (30 minutes), as users' jobs do: only gradsync's
-``timeout`` may end it. Rank 0 prints ``ELAPSED <seconds>`` from the fault to its error.
+``timeout`` may end it. Rank 0 prints ``ELAPSED <seconds>`` from the fault to its error, and
+ignores torchrun's SIGTERM so that it is not killed before it has printed.
 """
 
 from __future__ import annotations
@@ -36,6 +37,12 @@ def main() -> None:
     args = parser.parse_args()
     dist.init_process_group("gloo")  # torch's default timeout: 30 minutes
     rank = dist.get_rank()
+    if rank == 0:
+        # torchrun sends SIGTERM to the survivors as soon as it sees rank 1 die, while rank 0 may
+        # still be finding out who died: what the test reads would depend on which comes first.
+        # Rank 0 ends by itself once it has said it (it raises); torchrun's SIGKILL follows its
+        # grace if it did not.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
     torch.manual_seed(0)
     # BatchNorm only where the fault needs it: without buffers, the collective left waiting is
     # a gradient all-reduce (the hardest to walk away from), not a buffer broadcast.
