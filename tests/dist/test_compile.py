@@ -147,7 +147,9 @@ def _all_cases(rank: int, world: int) -> dict:
 
 @pytest.fixture(scope="module")
 def cases() -> list[dict]:
-    return spawn(_all_cases, WORLD, timeout_s=240)
+    # Fresh processes, not the pool: dynamo and inductor keep process-wide caches, counters
+    # and compile workers that a later case in the same process would inherit.
+    return spawn(_all_cases, WORLD, timeout_s=240, fresh=True)
 
 
 @pytest.mark.parametrize("order", ["outer", "inner"])

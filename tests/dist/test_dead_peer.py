@@ -4,7 +4,9 @@ Its arrival record says it reached the operation, like everyone's; what names it
 after the failure (``gradsync/failfast/liveness.py``): on one host, its process is gone. Three
 ranks, so that "which one" means something: rank 2 dies, ranks 0 and 1 must both name rank 2.
 When the dead rank took the store along (rank 0 serves it without torchrun), the survivors name
-it from the processes they read at construction. The roll call itself (a rank on another host, a
+it from the processes they read at construction. Each case gets fresh processes
+(``fresh=True``): a rank that kills itself is the point, and the survivors' view of its
+process (gone, exit code) is what they must report. The roll call itself (a rank on another host, a
 store that hangs) is tested in-process below.
 """
 
@@ -123,7 +125,9 @@ def _check_survivors(results: list, how: str, where: str) -> None:
 def test_a_rank_that_dies_inside_a_collective_is_named_dead_by_every_survivor(
     how: str, where: str
 ) -> None:
-    results = spawn(_die_inside, WORLD, (how, where), return_failures=True, timeout_s=90)
+    results = spawn(
+        _die_inside, WORLD, (how, where), return_failures=True, timeout_s=90, fresh=True
+    )
     _check_survivors(results, how, where)
 
 
@@ -139,7 +143,7 @@ def test_a_dead_rank_that_served_the_store_is_named_without_it() -> None:
     # construction, and say that the store went with rank 0.
     results = spawn(
         _die_inside, WORLD, ("sigkill", "all-reduce", 0, _free_port()), return_failures=True,
-        timeout_s=90,
+        timeout_s=90, fresh=True,
     )  # fmt: skip
     assert isinstance(results[0], RankFailure) and "SIGKILL" in results[0].message, results[0]
     for rank in (1, 2):
@@ -169,8 +173,9 @@ def test_a_rank_that_dies_during_a_checkpoint_is_named_by_the_others(tmp_path) -
     # The checkpointer's own agreement collectives run under its deadline too: a bare gloo
     # "Connection reset by peer" was all the survivors of a lost node saw before.
     results = spawn(
-        _die_before_saving, WORLD, (str(tmp_path / "ckpt"),), return_failures=True, timeout_s=90
-    )
+        _die_before_saving, WORLD, (str(tmp_path / "ckpt"),), return_failures=True, timeout_s=90,
+        fresh=True,
+    )  # fmt: skip
     assert isinstance(results[CULPRIT], RankFailure), results[CULPRIT]
     for rank in range(WORLD):
         if rank != CULPRIT:

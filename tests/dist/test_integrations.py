@@ -11,7 +11,9 @@ to torch DDP (or reduced every micro-batch) fails.
 One spawn per integration: the ranks run every variant in turn. The harness joins a gloo group
 through a file store before the frameworks start, and the frameworks find it initialised (as
 after a user's own ``init_process_group``); the torchrun-style variables they read are set per
-rank, loopback only.
+rank, loopback only. Fresh processes (``fresh=True``), not the pool: the frameworks keep
+process-wide singletons (Accelerate's ``PartialState``, Lightning's environment detection) that
+a later case in the same process would inherit.
 """
 
 from __future__ import annotations
@@ -408,7 +410,7 @@ def _check(
 def test_accelerate_and_trainer() -> None:
     pytest.importorskip("accelerate")
     pytest.importorskip("transformers")
-    per_rank = spawn(_hf_rank, WORLD, (_free_port(),), timeout_s=240)
+    per_rank = spawn(_hf_rank, WORLD, (_free_port(),), timeout_s=240, fresh=True)
     for out in per_rank:
         assert out["accelerate/gradsync"]["accelerator"] == "GradsyncAccelerator"
         assert out["trainer/gradsync"]["accelerator"] == "GradsyncAccelerator"
@@ -427,7 +429,7 @@ def test_accelerate_and_trainer() -> None:
 
 def test_lightning_trainer_and_fabric() -> None:
     pytest.importorskip("lightning")
-    per_rank = spawn(_lightning_rank, WORLD, (_free_port(),), timeout_s=240)
+    per_rank = spawn(_lightning_rank, WORLD, (_free_port(),), timeout_s=240, fresh=True)
     assert all(out["registered"] for out in per_rank)
     forwarded = {"find_unused_parameters": True, "gradient_as_bucket_view": True, "timeout": 60}
     diffs = _check(per_rank, {"lightning": forwarded, "fabric": forwarded, "manual": forwarded})

@@ -8,7 +8,8 @@ FAULT is one of ``sigstop`` (rank 1 stops itself), ``sigkill`` (rank 1 kills its
 (rank 1 kills itself during backward, once its gradient reduction has begun: rank 0 is then
 inside the all-reduce with it, and rank 1's arrival record says it got there). The job uses
 torch's default process-group timeout (30 minutes), as users' jobs do: only gradsync's
-``timeout`` may end it. Rank 0 prints ``ELAPSED <seconds>`` from the fault to its error.
+``timeout`` may end it. Rank 0 prints ``ELAPSED <seconds>`` from the fault to its error, and
+ignores torchrun's SIGTERM so that it is not killed before it has printed.
 """
 
 from __future__ import annotations
@@ -36,6 +37,12 @@ def main() -> None:
     args = parser.parse_args()
     dist.init_process_group("gloo")  # torch's default timeout: 30 minutes
     rank = dist.get_rank()
+    if rank == 0:
+        # torchrun sends SIGTERM to the survivors as soon as it sees rank 1 die, while rank 0 may
+        # still be finding out who died: what the test reads would depend on which comes first.
+        # Rank 0 ends by itself once it has said it (it raises); torchrun's SIGKILL follows its
+        # grace if it did not.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
     torch.manual_seed(0)
     # BatchNorm only where the fault needs it: without buffers, the collective left waiting is
     # a gradient all-reduce (the hardest to walk away from), not a buffer broadcast.
@@ -75,7 +82,18 @@ def misbehave(fault: str, ddp: gradsync.DistributedDataParallel) -> None:
     elif fault == "sigkill-inside":
         # Runs after gradsync's own hook on this parameter, the last to get its gradient.
         first = ddp.module[0].weight
-        first.register_post_accumulate_grad_hook(lambda _: os.kill(os.getpid(), signal.SIGKILL))
+        first.register_post_accumulate_grad_hook(lambda _: _kill_once_recorded())
+
+
+def _kill_once_recorded() -> None:
+    """SIGKILL this rank once its arrival record of the reduction has reached the store.
+
+    A TCPStore ``set`` is not answered, so the record may still be on its way when the process
+    dies, and the others would read the previous one ("last seen at step 3 (then it died)"):
+    the test's message would depend on which came first. A ``check`` on the same store
+    connection is answered after the ``set`` before it, so the kill comes after the record."""
+    dist.distributed_c10d._get_default_store().check(["fault_job/after-the-record"])
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 if __name__ == "__main__":
