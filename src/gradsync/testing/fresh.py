@@ -12,13 +12,13 @@ import os
 import queue as queue_mod
 import tempfile
 import time
-from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.multiprocessing as mp
 
 from gradsync.testing.ranks import (
+    Job,
     Outcome,
     RankFailure,
     died,
@@ -31,19 +31,12 @@ from gradsync.testing.ranks import (
 )
 
 
-def _rank_entry(
-    rank: int,
-    world_size: int,
-    fn: Callable[..., Any],
-    args: tuple[Any, ...],
-    init_file: str,
-    pg_timeout_s: float,
-    results: Any,
-    backend: str,
-) -> None:
+def _rank_entry(rank: int, job: Job, init_file: str, results: Any) -> None:
     torch.set_num_threads(1)
     try:
-        ok, value = run_rank(rank, world_size, fn, args, init_file, pg_timeout_s, backend)
+        ok, value = run_rank(
+            rank, job.world_size, job.fn, job.args, init_file, job.pg_timeout_s, job.backend
+        )
         results.put((rank, ok, value))
     finally:
         free_groups()
@@ -105,15 +98,7 @@ def _collect(
     return verdicts
 
 
-def run_fresh(
-    fn: Callable[..., Any],
-    world_size: int,
-    args: tuple[Any, ...],
-    pg_timeout_s: float,
-    timeout_s: float,
-    backend: str,
-    teardown_grace_s: float,
-) -> dict[int, Outcome]:
+def run_fresh(job: Job) -> dict[int, Outcome]:
     """One start of every rank: each rank's (ok, result or RankFailure)."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
@@ -124,15 +109,15 @@ def run_fresh(
         procs = [
             ctx.Process(
                 target=_rank_entry,
-                args=(rank, world_size, fn, args, init_file, pg_timeout_s, results, backend),
+                args=(rank, job, init_file, results),
                 daemon=True,
             )
-            for rank in range(world_size)
+            for rank in range(job.world_size)
         ]
         for p in procs:
             p.start()
         try:
-            return _collect(procs, results, timeout_s, teardown_grace_s)
+            return _collect(procs, results, job.timeout_s, job.teardown_grace_s)
         finally:
             for p in procs:  # only on an error in this process (Ctrl-C, a result that won't load)
                 if p.is_alive():

@@ -28,12 +28,12 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
 from multiprocessing.connection import wait
 from typing import Any
 
 from gradsync.testing.pool_worker import send, serve
 from gradsync.testing.ranks import (
+    Job,
     Outcome,
     RankFailure,
     died,
@@ -101,18 +101,12 @@ class RankPool:
     def pids(self) -> list[int]:
         return [w.process.pid or 0 for w in self._workers]
 
-    def run(
-        self,
-        fn: Callable[..., Any],
-        world_size: int,
-        args: tuple[Any, ...],
-        pg_timeout_s: float,
-        timeout_s: float,
-        grace_s: float,
-    ) -> dict[int, Outcome]:
-        """One case on ranks ``0 .. world_size - 1``: each rank's (ok, result or RankFailure)."""
-        payload = pickle.dumps((fn, args), protocol=pickle.HIGHEST_PROTOCOL)
-        deadline = time.monotonic() + timeout_s  # like a fresh process's, from its start
+    def run(self, job: Job) -> dict[int, Outcome]:
+        """One case on ranks ``0 .. world_size - 1``: each rank's (ok, result or RankFailure).
+        The pool's ranks are gloo ranks: ``job.backend`` is not read."""
+        world_size, pg_timeout_s = job.world_size, job.pg_timeout_s
+        payload = pickle.dumps((job.fn, job.args), protocol=pickle.HIGHEST_PROTOCOL)
+        deadline = time.monotonic() + job.timeout_s  # like a fresh process's, from its start
         with self._lock:
             while len(self._workers) < world_size:
                 self._start(len(self._workers))
@@ -130,7 +124,9 @@ class RankPool:
                             send(w.conn, (*message, payload))
                     except OSError:  # died while idle; the collection reports it
                         w.gone = True
-                outcomes, replace = _collect(workers, case, deadline, timeout_s, grace_s)
+                outcomes, replace = _collect(
+                    workers, case, deadline, job.timeout_s, job.teardown_grace_s
+                )
             for rank in replace:
                 workers[rank].kill()
                 self._start(rank)

@@ -49,6 +49,20 @@ Outcome = tuple[bool, Any]
 """A rank's ``(ok, result)``, or ``(False, RankFailure)``."""
 
 
+@dataclass(frozen=True)
+class Job:
+    """One run of ``fn(rank, world_size, *args)`` on every rank, and its bounds: the process
+    group's timeout, the run's deadline and the teardown grace (see ``spawn``)."""
+
+    fn: Callable[..., Any]
+    world_size: int
+    args: tuple[Any, ...]
+    pg_timeout_s: float
+    timeout_s: float
+    backend: str
+    teardown_grace_s: float
+
+
 def _summary(failure: RankFailure) -> str:
     if not failure.traceback:  # the harness's own words: "rank 1 exited with SIGABRT ..."
         return f"rank {failure.rank} {failure.message}"

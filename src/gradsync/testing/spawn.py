@@ -20,7 +20,14 @@ from typing import Any
 
 from gradsync.testing.fresh import run_fresh
 from gradsync.testing.pool import RankPool, current_pool
-from gradsync.testing.ranks import TEARDOWN_GRACE_S, InitFailure, Outcome, RankFailure, spawn_error
+from gradsync.testing.ranks import (
+    TEARDOWN_GRACE_S,
+    InitFailure,
+    Job,
+    Outcome,
+    RankFailure,
+    spawn_error,
+)
 
 __all__ = ["TEARDOWN_GRACE_S", "RankFailure", "spawn"]
 
@@ -59,34 +66,25 @@ def spawn(
         pool = None
     elif pool is None:
         pool = current_pool()
-    run = (fn, world_size, args, pg_timeout_s, timeout_s, backend, teardown_grace_s, pool)
-    outcomes = _attempt(*run)
+    job = Job(fn, world_size, args, pg_timeout_s, timeout_s, backend, teardown_grace_s)
+    outcomes = _attempt(job, pool)
     failures = [v for ok, v in outcomes.values() if not ok]
     if failures and all(f.exc_type == InitFailure.__name__ for f in failures):
         # gloo's connectFullMesh now and then loses a connection while a loaded 2-core machine
         # starts many processes at once ("Connection closed by peer" inside
         # init_process_group). No rank has run ``fn`` yet, so one new start cannot hide a
         # fault of the code under test (a pool replaces the workers of a failed case).
-        outcomes = _attempt(*run)
+        outcomes = _attempt(job, pool)
         failures = [v for ok, v in outcomes.values() if not ok]
     if failures and not return_failures:
         raise spawn_error(sorted(failures, key=lambda f: f.rank))
     return [outcomes[r][1] for r in range(world_size)]
 
 
-def _attempt(
-    fn: Callable[..., Any],
-    world_size: int,
-    args: tuple[Any, ...],
-    pg_timeout_s: float,
-    timeout_s: float,
-    backend: str,
-    teardown_grace_s: float,
-    pool: RankPool | None,
-) -> dict[int, Outcome]:
+def _attempt(job: Job, pool: RankPool | None) -> dict[int, Outcome]:
     """One run of every rank: each rank's (ok, result or RankFailure)."""
     # A pool runs one case at a time; a run started while it is busy (from another thread)
     # gets fresh processes rather than waiting.
     if pool is not None and not pool.busy():
-        return pool.run(fn, world_size, args, pg_timeout_s, timeout_s, teardown_grace_s)
-    return run_fresh(fn, world_size, args, pg_timeout_s, timeout_s, backend, teardown_grace_s)
+        return pool.run(job)
+    return run_fresh(job)
