@@ -85,6 +85,7 @@ LAYERS = [
     {"optim"},
     {"ddp"},
     {"checkpoint", "data"},
+    {"recovery"},  # in-process recovery: the wrapper, the sampler and the store, together
     {"testing"},
     {"verify", "bench", "cli", "integrations", "__main__", "__init__"},
 ]

@@ -135,6 +135,7 @@ class GlobalBatchSampler(torch.utils.data.Sampler[list[int]]):
                 f"num_replicas={self.num_replicas}: every rank needs a share of every step"
             )
         largest_share = -(-global_batch_size // self.num_replicas)
+        self._whole_shares = micro_batch_size is None  # one micro-batch per rank at any N
         self.micro_batch_size = (
             largest_share
             if micro_batch_size is None
@@ -220,6 +221,26 @@ class GlobalBatchSampler(torch.utils.data.Sampler[list[int]]):
         count = self._micro_count(length)
         pieces = (_split(len(share), count, i) for i in range(count))
         return [share[a:b] for a, b in pieces]
+
+    def micro_batches_of(self, step: int) -> list[list[int]]:
+        """This rank's micro-batches of global step ``step`` of the current epoch (what
+        iterating hands out for that step), without moving the position."""
+        self._checked_length(step)
+        return self._micro_batches(self.global_order(), step)
+
+    def reshard(self, num_replicas: int, rank: int) -> None:
+        """Split the same global batches over ``num_replicas`` ranks from now on, this one
+        being ``rank``: the position and every step's samples stay; only the shares change
+        (after a membership change, see ``gradsync.recovery``)."""
+        num_replicas, rank = _replicas(num_replicas, rank)
+        if self.global_batch_size < num_replicas:
+            raise UsageError(
+                f"global_batch_size={self.global_batch_size} is smaller than "
+                f"num_replicas={num_replicas}: every rank needs a share of every step"
+            )
+        if self._whole_shares:  # no accumulation asked for: none at the new size either
+            self.micro_batch_size = -(-self.global_batch_size // num_replicas)
+        self.num_replicas, self.rank = num_replicas, rank
 
     def __len__(self) -> int:
         """This rank's micro-batches in a whole epoch (also after a resume, as torch's)."""

@@ -7,6 +7,7 @@ Construction makes replicas equal (model check, rank 0 broadcast) and plans the 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -29,7 +30,6 @@ from gradsync.ddp.checks.diagnostics import check_can_wrap, check_replicas
 from gradsync.ddp.checks.model import make_replicas_equal, refuse_everywhere
 from gradsync.ddp.checks.param_watch import ParameterWatch
 from gradsync.ddp.compat import torch_args
-from gradsync.ddp.compat.state_keys import strip_prefixes
 from gradsync.ddp.compat.torch_args import Device
 from gradsync.ddp.compat.torch_surface import TorchSurface
 from gradsync.ddp.forward import ForwardProtocol, Lifecycle, WrapperOps
@@ -48,7 +48,7 @@ from gradsync.optim.sharded import ShardedOptimizer
 from gradsync.timing import StepTimeline
 
 
-class DistributedDataParallel(TorchSurface, TorchDDP):  # type: ignore[override]
+class DistributedDataParallel(TorchSurface, TorchDDP):  # type: ignore[override, misc]
     """Data parallelism whose N-process training equals one-process training on the full batch.
 
     A drop-in for ``torch.nn.parallel.DistributedDataParallel``: it takes torch's arguments in
@@ -140,13 +140,14 @@ class DistributedDataParallel(TorchSurface, TorchDDP):  # type: ignore[override]
         self.batched_grad_copy = batched_grad_copy  # results are the same either way
         self._build(axis_names(device_mesh))
 
-    def _build(self, axes: tuple[str, ...]) -> None:
-        """Make the replicas equal; build the reducer, and the protocols, which reach the
-        wrapper through what it hands them (``axes``: the mesh axes reduced over, if any)."""
+    def _build(self, axes: tuple[str, ...], equal_by: SyncOptions | None = None) -> None:
+        """Make the replicas equal as ``equal_by`` (default: the options) says; build the reducer
+        and the protocols, which reach the wrapper through what it hands them."""
         self.timeline = StepTimeline.of(self.options.straggler_every, self._deadline)
         named_params, named_buffers = self._named_parameters(), self._named_buffers()
-        settings = self.options.settings(axes)
-        make_replicas_equal(named_params, named_buffers, self.options, settings, self._deadline)
+        equal_by = equal_by or self.options
+        settings = equal_by.settings(axes)
+        make_replicas_equal(named_params, named_buffers, equal_by, settings, self._deadline)
         self._buffers_to_sync = [b for _, b in named_buffers]
         watch = ParameterWatch(self.module, self.parameters_to_ignore)
         self.reducer, self.bucket_sizes, self.bucket_cap_mb = first_reducer(
@@ -165,6 +166,19 @@ class DistributedDataParallel(TorchSurface, TorchDDP):  # type: ignore[override]
         self._forward = ForwardProtocol(
             self.options, self._deadline, self._join, self.timeline, ops, inputs_to
         )
+
+    def regroup(self) -> None:
+        """Go on over the new default group after a membership change (gradsync.recovery),
+        between steps: new buckets, hooks and private group; the replicas are checked equal
+        (``ReplicaMismatchError``), not overwritten by a broadcast."""
+        if self.device_mesh is not None or self._sharded is not None or self._torch_hook:
+            raise UsageError("regroup() covers no mesh, ZeRO-1 or comm hook (per-rank state)")
+        self.reducer.retire()
+        self.process_group = dist.group.WORLD  # type: ignore[assignment]
+        where, opts = torch_args.module_device(self.module), self.options
+        self._deadline = new_wrapper_deadline(self.process_group, opts.timeout, where)
+        self._layouts = grad_layouts(self._named_parameters(), self.process_group)
+        self._build((), dataclasses.replace(opts, init_sync=False, init_sync_buffers=False))
 
     # -- the settings, as torch DDP exposes them (read-only: they must agree across ranks) ----
     reduction, broadcast_buffers, compression, timeout = Setting(), Setting(), Setting(), Setting()
@@ -369,24 +383,10 @@ class DistributedDataParallel(TorchSurface, TorchDDP):  # type: ignore[override]
 
     @property
     def bucket_tuner(self) -> AutoBuckets | None:
-        """With ``bucket_cap_mb="auto"``, what chooses the plan: its profile, choice and trial
-        (``settled`` once the plan is final)."""
+        """With ``bucket_cap_mb="auto"``, what chooses the plan (``settled`` once it is final)."""
         return self._forward.autotune
 
-    # -- checkpoints: keys are the unwrapped module's --------------------------------------
-    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
-        self._parameters_ready()
-        return self.module.state_dict(*args, **kwargs)
-
-    def load_state_dict(
-        self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
-    ) -> Any:
-        self._parameters_ready()  # a pending all-gather would overwrite what is loaded
-        own_keys = self.module.state_dict(keep_vars=True).keys()
-        return self.module.load_state_dict(
-            strip_prefixes(state_dict, own_keys), strict=strict, assign=assign
-        )
-
+    # -- checkpoints: the module's (state_dict, in torch_surface.py) and gradsync's own -----
     def sync_state_dict(self) -> dict[str, Any]:
         """gradsync's own training state (``state_dict()`` stays the module's): the step
         counter, the last replica check, the bucket plan and the compression's state. Raises

@@ -47,6 +47,32 @@ class DeviceEvent(Protocol):
 
 
 _ROLL_CALL_S = 2.0  # the longest a failed rank waits for its peers' answers (liveness.py)
+_SLICE_S = 0.05  # while a regroup may begin: how often a waiting rank looks for one
+
+
+class RegroupWatch(Protocol):
+    """What in-process recovery (``gradsync.recovery``) gives every deadline of the process."""
+
+    def begun(self) -> bool:
+        """Whether another rank has begun a regroup: stop waiting for a collective."""
+
+
+_watch: RegroupWatch | None = None
+
+
+def watch_for_regroups(watch: RegroupWatch | None) -> None:
+    """Make every deadline of this process give up a wait once ``watch`` says a regroup began.
+
+    [Note: waking a survivor]
+    When a rank dies, only the ranks that exchange data with it directly see their connection
+    close; a survivor waiting for a live peer that has already left the collective (to regroup)
+    would wait for the deadline. With a watch, waits run in slices of ``_SLICE_S`` and look at
+    the store between slices: one ``check`` per 50 ms of waiting, nothing for a collective that
+    is done when it is waited for (the common case at the end of an overlapped backward). The
+    failed rank's own roll call is left to the regroup's, which holds one anyway."""
+    global _watch
+    _watch = watch
+
 
 _CULPRITS = (
     "A rank that does not arrive may be busy with rank-specific work (saving, evaluating on "
@@ -177,13 +203,30 @@ class Deadline:
         """
         start = time.monotonic()
         try:
-            if host_deadline:
-                handle.wait(timeout=self.timeout)
-            else:
+            if not host_deadline:
                 handle.wait()
+            elif _watch is not None and hasattr(handle, "is_completed"):
+                self._wait_watching(handle, _watch, start)
+            else:
+                handle.wait(timeout=self.timeout)
         except RuntimeError as exc:
             self._fail(what, exc, time.monotonic() - start)
         self._recent.append(handle)
+
+    def _wait_watching(self, handle: Any, watch: RegroupWatch, start: float) -> None:
+        """``handle.wait`` under the deadline, in slices, giving up once ``watch`` says a
+        regroup began ([Note: waking a survivor])."""
+        limit = self.timeout.total_seconds()
+        while True:
+            left = limit - (time.monotonic() - start)
+            try:
+                handle.wait(timeout=timedelta(seconds=max(min(_SLICE_S, left), 0.001)))
+                return
+            except RuntimeError:
+                if handle.is_completed() or left <= _SLICE_S:  # its own error, or the deadline
+                    raise
+            if watch.begun():
+                raise RuntimeError("another rank began to regroup after losing a peer")
 
     def wait_device(self, done: DeviceEvent, what: str) -> None:
         """Wait until the GPU has passed ``done`` (a CUDA event recorded after ``what``'s
@@ -215,7 +258,7 @@ class Deadline:
             how = f"gave up waiting for {what} ({self.where}) after {waited:.1f} s"
         # Who is missing, and who died: the roll call takes what is left of the deadline, at
         # most a couple of seconds (peers that fail with this rank answer within milliseconds).
-        roll_call_s = min(_ROLL_CALL_S, max(limit - waited, 0.0))
+        roll_call_s = 0.0 if _watch else min(_ROLL_CALL_S, max(limit - waited, 0.0))
         where = self.arrivals.after_failure(self.seq, self.where, roll_call_s)
         self.failure = f"rank {self.rank} {how}; {where}. (backend: {cause})"
         error = CollectiveTimeoutError(f"{self.failure} {_CULPRITS}")

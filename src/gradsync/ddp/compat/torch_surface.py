@@ -18,7 +18,7 @@ is in one of the three, so a member a later torch adds fails the test until it i
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -26,6 +26,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.join import JoinHook
 
+from gradsync.ddp.compat.state_keys import strip_prefixes
 from gradsync.errors import UsageError
 
 INHERITED = {
@@ -150,6 +151,22 @@ class TorchSurface:
         syncing = wrapper.require_forward_param_sync and wrapper.broadcast_buffers
         ignore = wrapper.parameters_to_ignore
         return bool(syncing and any(n not in ignore for n, _ in wrapper.module.named_buffers()))
+
+    # checkpoints: keys are the unwrapped module's, as torch DDP users' loaders expect
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        self._parameters_ready()  # type: ignore[attr-defined]
+        module: nn.Module = self.module  # type: ignore[attr-defined]
+        return module.state_dict(*args, **kwargs)
+
+    def load_state_dict(
+        self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
+    ) -> Any:
+        self._parameters_ready()  # type: ignore[attr-defined]  # a pending all-gather would
+        module: nn.Module = self.module  # type: ignore[attr-defined]  # overwrite what is loaded
+        own_keys = module.state_dict(keep_vars=True).keys()
+        return module.load_state_dict(
+            strip_prefixes(state_dict, own_keys), strict=strict, assign=assign
+        )
 
     def train(self, mode: bool = True) -> Any:
         return nn.Module.train(self, mode)  # type: ignore[type-var]

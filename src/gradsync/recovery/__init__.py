@@ -1,0 +1,12 @@
+"""In-process recovery: a lost rank does not end the job.
+
+- ``membership.py``: the survivors agree, through the store, on one membership.
+- ``rollback.py``: what a step changes, kept so that the interrupted step can be redone.
+- ``regroup.py``: new process groups for the survivors, in the same processes.
+- ``loop.py``: :class:`Recovery`, the training loop's side: steps a lost rank does not end.
+"""
+
+from gradsync.recovery.loop import Recovery, Step
+from gradsync.recovery.membership import Membership, NoRecoveryError, RankExcludedError
+
+__all__ = ["Membership", "NoRecoveryError", "RankExcludedError", "Recovery", "Step"]

@@ -1,0 +1,273 @@
+"""The training loop's side of recovery: steps that a lost rank does not end.
+
+A training loop gains recovery by running each step inside the step objects that
+:meth:`Recovery.steps` hands out::
+
+    recovery = Recovery(model, optimizer, sampler, lr_scheduler=scheduler)
+    for step in recovery.steps(max_steps):
+        with step:                                      # a lost rank: the survivors redo it
+            for x, y in step.micro_batches(loader):     # this rank's share of the global batch
+                ...forward, backward (no_sync on all but the last)...
+            optimizer.step(); scheduler.step(); optimizer.zero_grad()
+
+When a peer is lost inside a step, the collective that needed it raises on the survivors; the
+``with`` block catches that, and the survivors agree on who goes on (``membership.py``), roll
+back to the start of the step (``rollback.py``), build new groups in the same processes
+(``regroup.py``), re-split the same global batch over themselves, and the loop hands out the
+same step again. Everything else the block raises goes on up, unchanged.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed import distributed_c10d as c10d
+
+from gradsync.data import GlobalBatchSampler
+from gradsync.ddp.wrapper import DistributedDataParallel
+from gradsync.errors import CollectiveTimeoutError, GradsyncError, UsageError
+from gradsync.failfast.deadline import watch_for_regroups
+from gradsync.optim.sharded import ShardedOptimizer
+from gradsync.recovery.membership import (
+    Membership,
+    NoRecoveryError,
+    agree,
+    announce,
+    begun,
+    processes,
+    publish_process,
+)
+from gradsync.recovery.regroup import close_groups, regroup
+from gradsync.recovery.rollback import StepStart, UndoLog
+
+
+def _lost_a_peer(exc: BaseException) -> bool:
+    """Whether ``exc`` is how a collective ends when a peer is lost: gradsync's deadline error,
+    or the backend's own (torch raises ``DistError`` subclasses, gloo plain ``RuntimeError``
+    naming its transport)."""
+    if isinstance(exc, (CollectiveTimeoutError, dist.DistError)):
+        return True
+    text = str(exc)
+    return type(exc) is RuntimeError and ("gloo" in text or "Connection" in text)
+
+
+class Step:
+    """One global step: a context manager that ends a lost rank's failure inside it."""
+
+    def __init__(self, recovery: Recovery, number: int) -> None:
+        self.recovery = recovery
+        self.number = number  # steps completed before this one, over all epochs
+        self.epoch, self.index = recovery.sampler.epoch, recovery.sampler.step
+        self.entered = False
+
+    def micro_batches(self, loader: torch.utils.data.DataLoader) -> Iterator[Any]:
+        """This rank's micro-batches of this step, read from ``loader``'s dataset and collated
+        with its ``collate_fn`` (the loader's own iteration is not used: its sampler's split
+        changes with the membership)."""
+        collate = loader.collate_fn
+        for indices in self.recovery.sampler.micro_batches_of(self.index):
+            yield collate([loader.dataset[i] for i in indices])
+
+    def __enter__(self) -> Step:
+        self.recovery._begin(self)
+        return self
+
+    def __exit__(self, kind: type | None, exc: BaseException | None, tb: Any) -> bool:
+        if exc is None:
+            self.recovery._completed(self)
+            return False
+        if not _lost_a_peer(exc):
+            return False
+        self.recovery._recover(self, exc)
+        return True  # the loop hands out the step to redo
+
+
+class Recovery:
+    """In-process recovery from lost ranks for a loop over :class:`GlobalBatchSampler` steps.
+
+    Args:
+        model: a :class:`gradsync.DistributedDataParallel` over the default process group.
+        optimizer: the optimizer stepped once per step (not a ZeRO-1 ``ShardedOptimizer``: the
+            lost rank's slice of its state exists nowhere else).
+        sampler: the :class:`GlobalBatchSampler` that defines every step's global batch.
+        lr_scheduler: optional; rolled back with the step.
+        window: the longest the survivors wait for each other's answers after a loss (seconds);
+            a silent rank on another host is taken for lost after it.
+        min_world_size: fewer survivors than this take the restart path instead.
+    """
+
+    def __init__(
+        self,
+        model: DistributedDataParallel,
+        optimizer: torch.optim.Optimizer,
+        sampler: GlobalBatchSampler,
+        *,
+        lr_scheduler: Any = None,
+        window: float = 2.0,
+        min_world_size: int = 1,
+    ) -> None:
+        _check(model, optimizer, sampler)
+        self.model, self.optimizer, self.sampler = model, optimizer, sampler
+        self.lr_scheduler, self.window, self.min_world_size = lr_scheduler, window, min_world_size
+        self.completed = 0  # steps completed by this rank, over all epochs
+        self.undo = UndoLog(optimizer)
+        self._starts: dict[int, StepStart] = {}
+        self.store: dist.Store = c10d._get_default_store()  # kept: it outlives the groups
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        self.membership = Membership(0, tuple(range(dist.get_world_size())), dist.get_rank(), {})
+        self._namespace = f"attempt{attempt}"
+        publish_process(self.store, self._generation_key(), self.membership.rank)
+        self._peers = processes(self.store, self._generation_key(), self.membership.world_size)
+        self.events: list[dict[str, Any]] = []  # one record per membership change
+        watch_for_regroups(self)
+        self._pending_log: dict[str, Any] | None = None
+
+    def begun(self) -> bool:
+        """Whether a survivor has begun to regroup this generation (for the deadlines)."""
+        return begun(self.store, self._generation_key())
+
+    def _generation_key(self) -> str:
+        return f"{self._namespace}/{self.membership.generation}"
+
+    def steps(self, max_steps: int | None = None, epochs: int | None = None) -> Iterator[Step]:
+        """The steps to run, each as a :class:`Step` to enter with ``with``: until ``max_steps``
+        steps are completed (over all epochs), or the end of epoch ``epochs - 1``. A step a lost
+        rank interrupted comes again, over the survivors."""
+        while max_steps is None or self.completed < max_steps:
+            if self.sampler.step >= self.sampler.steps_per_epoch:
+                if epochs is not None and self.sampler.epoch + 1 >= epochs:
+                    return
+                self.sampler.set_epoch(self.sampler.epoch + 1)
+            step = Step(self, self.completed)
+            yield step
+            if not step.entered:
+                raise UsageError("run every step of Recovery.steps() inside `with step:`")
+
+    # -- the step's bookkeeping -----------------------------------------------------------------
+    def _begin(self, step: Step) -> None:
+        step.entered = True
+        start = StepStart.take(
+            step.number, self.model.module, self.optimizer, self.lr_scheduler, self.sampler
+        )
+        self._starts = {n: s for n, s in self._starts.items() if n == step.number - 1}
+        self._starts[step.number] = start
+        self.undo.step = step.number
+
+    def _completed(self, step: Step) -> None:
+        self.completed = step.number + 1
+        self.sampler.step = step.index + 1
+        if self._pending_log is not None:
+            self._pending_log["redone_s"] = time.time() - self._pending_log["regrouped"]
+            self._log(self._pending_log)
+            self._pending_log = None
+
+    # -- recovery -------------------------------------------------------------------------------
+    def _recover(self, step: Step, exc: BaseException) -> None:
+        """Survive the loss that ``exc`` reports, or raise why not (the restart path)."""
+        noticed = time.time()
+        me = self.membership
+        phase = _phase(self.model, self.undo.taken_in == step.number)
+        report = {"done": self.completed, "phase": phase}
+        try:
+            announce(self.store, self._generation_key())  # wakes survivors still waiting
+            backend = close_groups()
+            new, lost = agree(
+                self.store, self._generation_key(), me, report, self._peers, self.window
+            )
+            agreed = time.time()
+            target = min(r["done"] for r in new.reports.values())
+            self._check_can_go_on(new, target, lost)
+            self.undo.undo(target)  # the parameters and optimizer state of the step's start
+            self._starts[target].restore(
+                self.model.module, self.optimizer, self.lr_scheduler, self.sampler
+            )
+            self.optimizer.zero_grad(set_to_none=True)
+            self.membership = new
+            regroup(self.store, self._generation_key(), new.rank, new.world_size, backend,
+                    self.model.options.timeout)  # fmt: skip
+            publish_process(self.store, self._generation_key(), new.rank)
+            self._peers = processes(self.store, self._generation_key(), new.world_size)
+            self.model.regroup()
+            self.sampler.reshard(new.world_size, new.rank)
+        except GradsyncError as error:
+            self._log_fallback(step, error)
+            raise error from exc
+        except Exception as error:  # the store or a new connection failed
+            reason = NoRecoveryError(f"regrouping failed: {type(error).__name__}: {error}")
+            self._log_fallback(step, reason)
+            raise reason from exc
+        self.completed = target
+        phases = sorted({r["phase"] for r in new.reports.values()})
+        event = {
+            "generation": new.generation, "lost": sorted(lost), "step": target,
+            "phases": phases, "world_size": new.world_size, "rank": new.rank,
+            "noticed": noticed, "agreed": agreed, "regrouped": time.time(),
+        }  # fmt: skip
+        self.events.append(event)
+        self._pending_log = event  # logged once the redone step completes
+
+    def _check_can_go_on(self, new: Membership, target: int, lost: dict[int, Any]) -> None:
+        why = None
+        if new.world_size < self.min_world_size:
+            why = f"{new.world_size} rank(s) left, fewer than min_world_size={self.min_world_size}"
+        elif new.world_size > self.sampler.global_batch_size:
+            why = "more ranks than samples in a global batch"
+        elif target not in self._starts:
+            why = f"step {target}'s start is not kept on rank {new.rank} (a step behind)"
+        if why:
+            raise NoRecoveryError(f"lost rank(s) {sorted(lost)} but cannot go on: {why}")
+
+    def _log(self, event: dict[str, Any]) -> None:
+        if event["rank"] != 0:
+            return
+        lost = ", ".join(map(str, event["lost"]))
+        total = event["regrouped"] - event["noticed"] + event["redone_s"]
+        _logger().warning(
+            f"gradsync: rank {lost} lost at step {event['step']} ({'/'.join(event['phases'])}); "
+            f"continuing on {event['world_size']} ranks, step {event['step']} redone "
+            f"in {total:.2f} s"
+        )
+
+    def _log_fallback(self, step: Step, error: BaseException) -> None:
+        _logger().error(
+            f"gradsync: rank {self.membership.rank} cannot recover in-process at step "
+            f"{step.number} ({error}); exiting so that the job restarts from its last checkpoint"
+        )
+
+
+def _phase(model: DistributedDataParallel, stepped: bool) -> str:
+    """Where this survivor was in the step when it noticed the loss."""
+    if stepped:
+        return "optimizer step"
+    return "backward" if model.reducer.reducing else "forward"
+
+
+def _logger() -> logging.Logger:
+    return logging.getLogger("gradsync.recovery")
+
+
+def _check(model: Any, optimizer: Any, sampler: Any) -> None:
+    if not isinstance(model, DistributedDataParallel):
+        raise UsageError("Recovery needs a gradsync.DistributedDataParallel model")
+    if model.device_mesh is not None or model.process_group not in (None, dist.group.WORLD):
+        raise UsageError("Recovery covers a wrapper over the default process group only")
+    if isinstance(optimizer, ShardedOptimizer):
+        raise UsageError(
+            "Recovery does not cover ZeRO-1: the lost rank's slice of the optimizer state "
+            "exists nowhere else; use a plain optimizer, or the restart path (Checkpointer)"
+        )
+    if model.compression is not None:
+        raise UsageError("Recovery redoes steps exactly: it needs compression=None")
+    if model.reduction == "mean":
+        raise UsageError(
+            'Recovery needs reduction="item_mean" (or "sum"): the survivors\' shares of a '
+            'global batch may differ in size, and "mean" would then weigh samples unequally'
+        )
+    if not isinstance(sampler, GlobalBatchSampler):
+        raise UsageError("Recovery needs a gradsync.data.GlobalBatchSampler")

@@ -1,0 +1,131 @@
+"""A lost rank does not end the job: the survivors redo the step, and the end equals one process.
+
+Five ranks train a float64 model with AdamW and a decaying learning rate over the global batches
+of a ``GlobalBatchSampler``, inside ``gradsync.recovery.Recovery``. Three of them die by SIGKILL,
+one after another, each at another point of a step: before a forward, inside backward once the
+first buckets' all-reduces are under way, and inside ``optimizer.step()`` (when the survivors
+have all they need to finish that step). The two left must end with the parameters of one
+process trained on the same global batches (1e-12), having used every sample of every step
+after a loss exactly once, at the new world size. Fresh processes (``fresh=True``): a rank that
+kills itself is the point.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from contextlib import nullcontext
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import gradsync
+from gradsync.data import GlobalBatchSampler
+from gradsync.recovery import Recovery
+from gradsync.testing.spawn import RankFailure, spawn
+
+pytestmark = pytest.mark.filterwarnings("ignore:global batches of")  # item_mean: exact anyway
+
+WORLD, STEPS, GLOBAL_BATCH, MICRO = 5, 9, 12, 2
+SAMPLES = GLOBAL_BATCH * STEPS
+# original rank -> (step, where it dies)
+DEATHS = {4: (2, "forward"), 1: (4, "backward"), 0: (6, "optimizer")}
+
+
+def _data() -> TensorDataset:
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(SAMPLES, 6, generator=g, dtype=torch.float64)
+    return TensorDataset(x, torch.sin(x.sum(1, keepdim=True)).repeat(1, 3))
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(3)
+    return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(),
+                         nn.Linear(16, 3)).double()  # fmt: skip
+
+
+def _optimizer(params) -> tuple[torch.optim.Optimizer, object]:  # type: ignore[no-untyped-def]
+    opt = torch.optim.AdamW(params, lr=2e-2, weight_decay=0.01)
+    return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1.0 + 0.3 * s))
+
+
+def _die() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _train(rank: int, world: int) -> dict:
+    data = _data()
+    ddp = gradsync.DistributedDataParallel(
+        _model(), reduction="item_mean", bucket_cap_mb=0, timeout=10.0
+    )
+    opt, sched = _optimizer(ddp.parameters())
+    sampler = GlobalBatchSampler(data, GLOBAL_BATCH, MICRO, shuffle=True, seed=5)
+    recovery = Recovery(ddp, opt, sampler, lr_scheduler=sched, window=3.0)
+    death = DEATHS.get(rank)
+    armed = [False]
+    first = ddp.module[0].weight  # its gradient comes last in backward
+    first.register_hook(lambda g: _die() if armed[0] and death[1] == "backward" else g)
+    opt.register_step_pre_hook(lambda *_: _die() if armed[0] and death[1] == "optimizer" else None)
+    loader = DataLoader(data)
+    used: dict[int, list[tuple[int, list[int]]]] = {}
+    for step in recovery.steps(STEPS):
+        with step:
+            armed[0] = death is not None and step.number == death[0]
+            if armed[0] and death[1] == "forward":
+                _die()
+            shares = sampler.micro_batches_of(step.index)
+            batches = list(step.micro_batches(loader))
+            for i, (x, y) in enumerate(batches):
+                with ddp.no_sync() if i < len(batches) - 1 else nullcontext():
+                    loss = ((ddp(x) - y) ** 2).sum()
+                    ddp.count_items(len(x))
+                    loss.backward()
+            opt.step()
+            sched.step()
+            opt.zero_grad()
+            used[step.number] = [(recovery.membership.rank, [i for s in shares for i in s])]
+    params = {n: p.detach().clone() for n, p in ddp.module.named_parameters()}
+    return {"params": params, "used": used, "events": recovery.events,
+            "world": recovery.membership.world_size}  # fmt: skip
+
+
+def _reference() -> dict[str, torch.Tensor]:
+    data = _data()
+    model = _model()
+    opt, sched = _optimizer(model.parameters())
+    sampler = GlobalBatchSampler(data, GLOBAL_BATCH, num_replicas=1, rank=0, shuffle=True, seed=5)
+    for step, indices in enumerate(sampler):
+        if step == STEPS:
+            break
+        x, y = data[indices]
+        (((model(x) - y) ** 2).sum() / len(x)).backward()
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+    return {n: p.detach() for n, p in model.named_parameters()}
+
+
+@pytest.mark.timeout(180)
+def test_survivors_redo_the_step_and_end_equal_to_one_process() -> None:
+    results = spawn(_train, WORLD, fresh=True, return_failures=True, timeout_s=150)
+    for rank in DEATHS:
+        assert isinstance(results[rank], RankFailure), (rank, results[rank])
+    survivors = [r for r in range(WORLD) if r not in DEATHS]
+    reference = _reference()
+    batches = list(GlobalBatchSampler(_data(), GLOBAL_BATCH, num_replicas=1, rank=0, seed=5))
+    for r in survivors:
+        result = results[r]
+        assert not isinstance(result, RankFailure), result
+        assert result["world"] == len(survivors)
+        for name, p in result["params"].items():
+            torch.testing.assert_close(p, reference[name], rtol=0, atol=1e-12, msg=name)
+        assert [e["world_size"] for e in result["events"]] == [4, 3, 2]
+    # A loss inside the optimizer step costs no step: the survivors had every gradient.
+    redone = [e["step"] for e in results[survivors[0]]["events"]]
+    assert redone == [DEATHS[4][0], DEATHS[1][0], DEATHS[0][0] + 1], redone
+    # From the last loss on, every step's global batch is used once, split over the two left.
+    for step in range(redone[-1], STEPS):
+        got = sorted(i for r in survivors for _, idx in results[r]["used"][step] for i in idx)
+        assert got == sorted(batches[step]), step
