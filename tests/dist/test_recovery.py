@@ -18,10 +18,12 @@ from contextlib import nullcontext
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import gradsync
+from gradsync.checkpoint import Checkpointer
 from gradsync.data import GlobalBatchSampler
 from gradsync.recovery import Recovery
 from gradsync.testing.spawn import RankFailure, spawn
@@ -51,30 +53,35 @@ def _optimizer(params) -> tuple[torch.optim.Optimizer, object]:  # type: ignore[
     return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1.0 + 0.3 * s))
 
 
-def _die() -> None:
-    os.kill(os.getpid(), signal.SIGKILL)
-
-
-def _train(rank: int, world: int) -> dict:
+def _train(rank: int, world: int, deaths: dict, folder: str | None = None) -> dict:
     data = _data()
     ddp = gradsync.DistributedDataParallel(
         _model(), reduction="item_mean", bucket_cap_mb=0, timeout=10.0
     )
     opt, sched = _optimizer(ddp.parameters())
     sampler = GlobalBatchSampler(data, GLOBAL_BATCH, MICRO, shuffle=True, seed=5)
-    recovery = Recovery(ddp, opt, sampler, lr_scheduler=sched, window=3.0)
-    death = DEATHS.get(rank)
+    ckpt = None
+    if folder is not None:
+        ckpt = Checkpointer(folder, model=ddp, optimizer=opt, lr_scheduler=sched, keep=None)
+    recovery = Recovery(ddp, opt, sampler, lr_scheduler=sched, checkpointer=ckpt, window=3.0)
+    death = deaths.get(rank)
     armed = [False]
+
+    def die_if(where: str) -> None:
+        if armed[0] and death[1] == where:
+            os.kill(os.getpid(), signal.SIGKILL)
+
     first = ddp.module[0].weight  # its gradient comes last in backward
-    first.register_hook(lambda g: _die() if armed[0] and death[1] == "backward" else g)
-    opt.register_step_pre_hook(lambda *_: _die() if armed[0] and death[1] == "optimizer" else None)
+    first.register_hook(lambda g: die_if("backward") or g)
+    opt.register_step_pre_hook(lambda *_: die_if("optimizer"))
+    write = dcp.FileSystemWriter.write_data
+    dcp.FileSystemWriter.write_data = lambda *a: die_if("save") or write(*a)  # type: ignore[method-assign]
     loader = DataLoader(data)
     used: dict[int, list[tuple[int, list[int]]]] = {}
     for step in recovery.steps(STEPS):
         with step:
             armed[0] = death is not None and step.number == death[0]
-            if armed[0] and death[1] == "forward":
-                _die()
+            die_if("forward")
             shares = sampler.micro_batches_of(step.index)
             batches = list(step.micro_batches(loader))
             for i, (x, y) in enumerate(batches):
@@ -85,6 +92,8 @@ def _train(rank: int, world: int) -> dict:
             opt.step()
             sched.step()
             opt.zero_grad()
+            if ckpt is not None and step.number % 2 == 1:
+                ckpt.save(step.number + 1)
             used[step.number] = [(recovery.membership.rank, [i for s in shares for i in s])]
     params = {n: p.detach().clone() for n, p in ddp.module.named_parameters()}
     return {"params": params, "used": used, "events": recovery.events,
@@ -107,21 +116,27 @@ def _reference() -> dict[str, torch.Tensor]:
     return {n: p.detach() for n, p in model.named_parameters()}
 
 
-@pytest.mark.timeout(180)
-def test_survivors_redo_the_step_and_end_equal_to_one_process() -> None:
-    results = spawn(_train, WORLD, fresh=True, return_failures=True, timeout_s=150)
-    for rank in DEATHS:
+def _check_survivors(results: list, deaths: dict) -> list[int]:
+    for rank in deaths:
         assert isinstance(results[rank], RankFailure), (rank, results[rank])
-    survivors = [r for r in range(WORLD) if r not in DEATHS]
+    survivors = [r for r in range(len(results)) if r not in deaths]
     reference = _reference()
-    batches = list(GlobalBatchSampler(_data(), GLOBAL_BATCH, num_replicas=1, rank=0, seed=5))
     for r in survivors:
         result = results[r]
         assert not isinstance(result, RankFailure), result
         assert result["world"] == len(survivors)
         for name, p in result["params"].items():
             torch.testing.assert_close(p, reference[name], rtol=0, atol=1e-12, msg=name)
-        assert [e["world_size"] for e in result["events"]] == [4, 3, 2]
+    return survivors
+
+
+@pytest.mark.timeout(180)
+def test_survivors_redo_the_step_and_end_equal_to_one_process() -> None:
+    results = spawn(_train, WORLD, (DEATHS,), fresh=True, return_failures=True, timeout_s=150)
+    survivors = _check_survivors(results, DEATHS)
+    batches = list(GlobalBatchSampler(_data(), GLOBAL_BATCH, num_replicas=1, rank=0, seed=5))
+    for r in survivors:
+        assert [e["world_size"] for e in results[r]["events"]] == [4, 3, 2]
     # A loss inside the optimizer step costs no step: the survivors had every gradient.
     redone = [e["step"] for e in results[survivors[0]]["events"]]
     assert redone == [DEATHS[4][0], DEATHS[1][0], DEATHS[0][0] + 1], redone
@@ -129,3 +144,18 @@ def test_survivors_redo_the_step_and_end_equal_to_one_process() -> None:
     for step in range(redone[-1], STEPS):
         got = sorted(i for r in survivors for _, idx in results[r]["used"][step] for i in idx)
         assert got == sorted(batches[step]), step
+
+
+@pytest.mark.timeout(180)
+def test_a_rank_lost_during_a_save_after_the_optimizer_step_is_rolled_back(tmp_path) -> None:
+    """Every survivor had stepped its optimizer when the save lost a rank: the step is undone
+    (parameters, AdamW's moments, the learning rate) and redone on 2 ranks, with its save."""
+    deaths = {1: (3, "save")}
+    args = (deaths, str(tmp_path))
+    results = spawn(_train, 3, args, fresh=True, return_failures=True, timeout_s=150)
+    survivors = _check_survivors(results, deaths)
+    assert [e["step"] for e in results[survivors[0]]["events"]] == [3]
+    assert [p.name for p in sorted(tmp_path.glob("step_*"))] == [
+        f"step_{s:08d}" for s in range(2, STEPS + 1, 2)
+    ]
+    assert not list(tmp_path.glob(".step_*.partial"))

@@ -37,8 +37,8 @@ from gradsync.checkpoint.folder import (
 )
 from gradsync.checkpoint.loadable import check_loadable
 from gradsync.checkpoint.state import TrainingObjects, mismatches, refuse_resize, snapshot
-from gradsync.errors import CheckpointError, ProtocolError, UsageError
-from gradsync.failfast.deadline import Deadline, as_timedelta
+from gradsync.errors import CheckpointError, CollectiveTimeoutError, ProtocolError, UsageError
+from gradsync.failfast.deadline import Deadline, as_timedelta, regroup_begun, watching
 from gradsync.optim.master import MasterWeights
 
 
@@ -124,7 +124,13 @@ class Checkpointer:
         """Save the training state of ``step`` and return its folder once it is committed."""
         self.wait()
         state = self._checked_state(step)
-        return self._write(state, step)
+        if not watching():
+            return self._write(state, step)
+        # Under in-process recovery DCP's collectives, which no deadline watches, run on a
+        # thread, so that a rank lost mid-save does not hold this one until their timeout.
+        self._start_write(state, step)
+        self.wait()
+        return self.folder.step_dir(step)
 
     def async_save(self, step: int) -> None:
         """Copy the training state to CPU memory, then write it on a background thread.
@@ -137,6 +143,9 @@ class Checkpointer:
         self.wait()  # the previous snapshot is written: its memory can be refilled
         state = snapshot(self._checked_state(step), reuse=self._staging)
         self._staging = state
+        self._start_write(state, step)
+
+    def _start_write(self, state: dict[str, Any], step: int) -> None:
         self._thread = threading.Thread(
             target=self._write_in_background, args=(state, step), name="gradsync-checkpoint"
         )
@@ -144,12 +153,29 @@ class Checkpointer:
 
     def wait(self) -> None:
         """Wait for an asynchronous save to commit; raise its error if it failed."""
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
+        thread, self._thread = self._thread, None
+        while thread is not None and thread.is_alive():
+            thread.join(0.05)
+            if regroup_begun():  # a rank was lost: the write is abandoned (gradsync.recovery)
+                raise CollectiveTimeoutError(
+                    f"rank {self.rank}: a rank was lost while a checkpoint was being written; "
+                    "the write is abandoned (its folder stays partial)"
+                )
         error, self._error = self._error, None
         if error is not None:
             raise error
+
+    def regroup(self) -> None:
+        """Go on over the new default group after a membership change (``gradsync.recovery``):
+        a private group of the new members; a save that never committed is removed."""
+        self._thread, self._error = None, None
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self._deadline = _new_deadline(self._deadline.timeout)
+        self._group = self._deadline.group
+        self._claim_folder()  # rank 0 may be another process now
+        if self.rank == 0:
+            self.folder.remove_partials()
+        self._agree("the regroup of a Checkpointer")
 
     def _write_in_background(self, state: dict[str, Any], step: int) -> None:
         try:

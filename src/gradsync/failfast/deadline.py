@@ -74,6 +74,15 @@ def watch_for_regroups(watch: RegroupWatch | None) -> None:
     _watch = watch
 
 
+def regroup_begun() -> bool:
+    """Whether a regroup has begun that this process should stop waiting for peers for."""
+    return _watch is not None and _watch.begun()
+
+
+def watching() -> bool:
+    return _watch is not None
+
+
 _CULPRITS = (
     "A rank that does not arrive may be busy with rank-specific work (saving, evaluating on "
     "rank 0 only), blocked in a collective the others do not issue (e.g. a logging all_reduce "

@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
+from gradsync.checkpoint import Checkpointer
 from gradsync.data import GlobalBatchSampler
 from gradsync.ddp.wrapper import DistributedDataParallel
 from gradsync.errors import CollectiveTimeoutError, GradsyncError, UsageError
@@ -97,6 +98,9 @@ class Recovery:
             lost rank's slice of its state exists nowhere else).
         sampler: the :class:`GlobalBatchSampler` that defines every step's global batch.
         lr_scheduler: optional; rolled back with the step.
+        checkpointer: optional; a :class:`~gradsync.checkpoint.Checkpointer` to carry over to
+            the new membership (a save a lost rank interrupted is abandoned, then redone with
+            its step).
         window: the longest the survivors wait for each other's answers after a loss (seconds);
             a silent rank on another host is taken for lost after it.
         min_world_size: fewer survivors than this take the restart path instead.
@@ -109,12 +113,14 @@ class Recovery:
         sampler: GlobalBatchSampler,
         *,
         lr_scheduler: Any = None,
+        checkpointer: Checkpointer | None = None,
         window: float = 2.0,
         min_world_size: int = 1,
     ) -> None:
         _check(model, optimizer, sampler)
         self.model, self.optimizer, self.sampler = model, optimizer, sampler
-        self.lr_scheduler, self.window, self.min_world_size = lr_scheduler, window, min_world_size
+        self.lr_scheduler, self.checkpointer = lr_scheduler, checkpointer
+        self.window, self.min_world_size = window, min_world_size
         self.completed = 0  # steps completed by this rank, over all epochs
         self.undo = UndoLog(optimizer)
         self._starts: dict[int, StepStart] = {}
@@ -172,7 +178,7 @@ class Recovery:
         """Survive the loss that ``exc`` reports, or raise why not (the restart path)."""
         noticed = time.time()
         me = self.membership
-        phase = _phase(self.model, self.undo.taken_in == step.number)
+        phase = _phase(self.model, self.undo.taken_in == step.number, exc)
         report = {"done": self.completed, "phase": phase}
         try:
             announce(self.store, self._generation_key())  # wakes survivors still waiting
@@ -194,6 +200,8 @@ class Recovery:
             publish_process(self.store, self._generation_key(), new.rank)
             self._peers = processes(self.store, self._generation_key(), new.world_size)
             self.model.regroup()
+            if self.checkpointer is not None:
+                self.checkpointer.regroup()
             self.sampler.reshard(new.world_size, new.rank)
         except GradsyncError as error:
             self._log_fallback(step, error)
@@ -241,11 +249,12 @@ class Recovery:
         )
 
 
-def _phase(model: DistributedDataParallel, stepped: bool) -> str:
+def _phase(model: DistributedDataParallel, stepped: bool, exc: BaseException) -> str:
     """Where this survivor was in the step when it noticed the loss."""
     if stepped:
         return "optimizer step"
-    return "backward" if model.reducer.reducing else "forward"
+    reducing = model.reducer.reducing or "gradient reduction" in str(exc)
+    return "backward" if reducing else "forward"
 
 
 def _logger() -> logging.Logger:
