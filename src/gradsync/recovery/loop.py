@@ -66,6 +66,8 @@ class Step:
         self.number = number  # steps completed before this one, over all epochs
         self.epoch, self.index = recovery.sampler.epoch, recovery.sampler.step
         self.entered = False
+        self.completed = False  # False after the block if the step was interrupted: code
+        # after ``with step:`` runs either way, and the loop then hands the step out again
 
     def micro_batches(self, loader: torch.utils.data.DataLoader) -> Iterator[Any]:
         """This rank's micro-batches of this step, read from ``loader``'s dataset and collated
@@ -82,6 +84,7 @@ class Step:
     def __exit__(self, kind: type | None, exc: BaseException | None, tb: Any) -> bool:
         if exc is None:
             self.recovery._completed(self)
+            self.completed = True
             return False
         if not _lost_a_peer(exc):
             return False
@@ -114,7 +117,7 @@ class Recovery:
         *,
         lr_scheduler: Any = None,
         checkpointer: Checkpointer | None = None,
-        window: float = 2.0,
+        window: float = 1.0,
         min_world_size: int = 1,
     ) -> None:
         _check(model, optimizer, sampler)
@@ -234,10 +237,10 @@ class Recovery:
     def _log(self, event: dict[str, Any]) -> None:
         if event["rank"] != 0:
             return
-        lost = ", ".join(map(str, event["lost"]))
+        lost, where = ", ".join(map(str, event["lost"])), "/".join(event["phases"])
         total = event["regrouped"] - event["noticed"] + event["redone_s"]
         _logger().warning(
-            f"gradsync: rank {lost} lost at step {event['step']} ({'/'.join(event['phases'])}); "
+            f"gradsync: rank {lost} lost at step {event['step']} (noticed in {where}); "
             f"continuing on {event['world_size']} ranks, step {event['step']} redone "
             f"in {total:.2f} s"
         )
