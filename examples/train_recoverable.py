@@ -43,6 +43,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--timeout-s", type=float, default=20.0)
     p.add_argument("--window-s", type=float, default=1.0, help="Recovery's roll-call window")
+    p.add_argument("--step-time", type=float, default=0.0,
+                   help="pad each step to this many seconds (a larger model's step time)")  # fmt: skip
     p.add_argument("--log-samples", default=None)
     p.add_argument("--out", default="out-recoverable")
     return p.parse_args()
@@ -73,8 +75,13 @@ def main() -> int:
     scheduler = schedule(opt, args.max_steps)
     recovery = Recovery(ddp, opt, sampler, lr_scheduler=scheduler, window=args.window_s)  # +
     log = open(args.log_samples, "a") if args.log_samples else None
+    if dist.get_rank() == 0 and recovery.membership.generation == 0 and recovery.store_address:
+        os.makedirs(args.out, exist_ok=True)  # for replacements: GRADSYNC_JOIN=<this address>
+        with open(os.path.join(args.out, "job-store"), "w") as f:
+            f.write(recovery.store_address)
 
     for step in recovery.steps(args.max_steps):  # ~ for step in range(max_steps):
+        started = time.monotonic()
         with step:  # +
             micro = list(step.micro_batches(loader))  # ~ this rank's share of the global batch
             for i, (x, y) in enumerate(micro):
@@ -86,6 +93,7 @@ def main() -> int:
             opt.step()
             scheduler.step()
             opt.zero_grad(set_to_none=True)
+            time.sleep(max(0.0, args.step_time - (time.monotonic() - started)))
             if log:  # inside the block: code after it runs after an interrupted step too
                 indices = [i for batch in sampler.micro_batches_of(step.index) for i in batch]
                 me = recovery.membership

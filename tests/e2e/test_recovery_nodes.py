@@ -17,6 +17,7 @@ result is written.
 from __future__ import annotations
 
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -49,11 +50,13 @@ def wait_for(predicate, seconds: float, what: str, procs) -> None:  # type: igno
         time.sleep(0.02)
 
 
-def check_trajectory(records: list[dict], lost: list[int]) -> None:
+def check_trajectory(
+    records: list[dict], lost: list[int], steps: int = STEPS, sentences: int = SENTENCES
+) -> None:
     """Each step's global batch, used once, split as the membership that completed it splits it
     (ranks that died after their share of a step's reduction could not log it)."""
-    dataset = CharDataset(generate_corpus(SENTENCES), 32)
-    for k in range(STEPS):
+    dataset = CharDataset(generate_corpus(sentences), 32)
+    for k in range(steps):
         of_step = [r for r in records if r["step"] == k]
         last = max(r["generation"] for r in of_step)
         final = {r["rank"]: r for r in of_step if r["generation"] == last}
@@ -108,3 +111,42 @@ def test_a_lost_node_costs_one_step_redone_in_process(tmp_path: Path) -> None:
     }
     print("in-process recovery:", json.dumps({k: round(v, 3) for k, v in phases.items()}))
     assert first - kill < 10.0  # the restart path takes ~10 s here; the target is <= 2 s
+
+
+def test_a_replacement_node_joins_and_the_job_trains_on_at_4_ranks(tmp_path: Path) -> None:
+    """Node 1 dies; node 0 goes on alone; a new node (its own standalone torchrun, pointed at
+    the job's store) joins at a step boundary with node 0's state, and the end equals one
+    process."""
+    out, log = tmp_path / "run", tmp_path / "samples.jsonl"
+    steps, sentences = 150, 1500  # at 0.1 s a step: time for the replacement to start
+    argv = [str(SCRIPT), "--max-steps", str(steps), "--sentences", str(sentences)]
+    argv += ["--global-batch", str(GLOBAL_BATCH), "--step-time", "0.1", "--timeout-s", "10"]
+    argv += ["--log-samples", str(log), "--out", str(out)]
+    with SimulatedCluster(3, rate_mbit=1000) as cluster:
+        cmds = cluster.elastic_torchrun_commands(argv, 2, RDZV_CONF)[:2]
+        env = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+        procs, out_dir = cluster.start(cmds, 2, env)
+        done = lambda: sum(r["step"] == 3 for r in read_log(log)) == 4  # noqa: E731
+        wait_for(done, 150, "step 3 on 4 ranks", procs)
+        cluster.kill_node(procs[1])
+        joiner = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                  "--nproc-per-node", "2", *argv]  # fmt: skip
+        start = time.time()
+        join_env = {"GRADSYNC_JOIN": (out / "job-store").read_text()}
+        new, new_dir = cluster.start([joiner], 2, join_env, first_node=2)
+        result = out / "result.json"
+        wait_for(result.exists, 150, "result", procs)
+        time.sleep(0.2)
+        output = "".join((Path(out_dir) / f"node0.{ext}").read_text() for ext in ("out", "err"))
+        output += "".join((Path(new_dir) / f"node2.{ext}").read_text() for ext in ("out", "err"))
+    outcome = json.loads(result.read_text())
+    assert outcome["verdict"] == "PASS" and outcome["world"] == 4, (outcome, output[-9000:])
+    lost, joined = outcome["events"]
+    assert lost["lost"] == [2, 3] and joined["joined"] and joined["world_size"] == 4, outcome
+    assert "joined at step" in output and "continuing on 4 ranks" in output
+    records = read_log(log)
+    check_trajectory(records, lost["lost"], steps, sentences)
+    first = min(r["time"] for r in records if r["generation"] == 2)
+    switch = joined["switched"] - joined["started"]
+    phases = {"start -> first step on 4 ranks": first - start, "switch (members)": switch}
+    print("heal:", json.dumps({k: round(v, 3) for k, v in phases.items()}))

@@ -170,7 +170,9 @@ class Checkpointer:
         a private group of the new members; a save that never committed is removed."""
         self._thread, self._error = None, None
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
-        self._deadline = _new_deadline(self._deadline.timeout)
+        # named the same on every member and replacement: the generation's store is its own
+        name, timeout = "the regrouped Checkpointer", self._deadline.timeout
+        self._deadline = Deadline.for_group(None, timeout, name, backend="gloo")
         self._group = self._deadline.group
         self._claim_folder()  # rank 0 may be another process now
         if self.rank == 0:

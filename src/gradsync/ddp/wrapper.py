@@ -41,7 +41,7 @@ from gradsync.ddp.reducer import Reducer
 from gradsync.ddp.replan.autoplan import BucketPlan
 from gradsync.ddp.replan.autotune import AutoBuckets
 from gradsync.errors import ProtocolError, UsageError
-from gradsync.failfast.deadline import as_timedelta, new_wrapper_deadline
+from gradsync.failfast.deadline import Deadline, as_timedelta, new_wrapper_deadline
 from gradsync.mesh.axes import axis_names, data_parallel_group
 from gradsync.mesh.dtensors import grad_layouts
 from gradsync.optim.sharded import ShardedOptimizer
@@ -175,8 +175,8 @@ class DistributedDataParallel(TorchSurface, TorchDDP):  # type: ignore[override,
             raise UsageError("regroup() covers no mesh, ZeRO-1 or comm hook (per-rank state)")
         self.reducer.retire()
         self.process_group = dist.group.WORLD  # type: ignore[assignment]
-        where, opts = torch_args.module_device(self.module), self.options
-        self._deadline = new_wrapper_deadline(self.process_group, opts.timeout, where)
+        where, opts, name = torch_args.module_device(self.module), self.options, "the regrouped DDP"
+        self._deadline = Deadline.for_group(self.process_group, opts.timeout, name, where)
         self._layouts = grad_layouts(self._named_parameters(), self.process_group)
         self._build((), dataclasses.replace(opts, init_sync=False, init_sync_buffers=False))
 

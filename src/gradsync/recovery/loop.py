@@ -27,7 +27,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed import distributed_c10d as c10d
 
 from gradsync.checkpoint import Checkpointer
 from gradsync.data import GlobalBatchSampler
@@ -35,6 +34,7 @@ from gradsync.ddp.wrapper import DistributedDataParallel
 from gradsync.errors import CollectiveTimeoutError, GradsyncError, UsageError
 from gradsync.failfast.deadline import watch_for_regroups
 from gradsync.optim.sharded import ShardedOptimizer
+from gradsync.recovery import heal
 from gradsync.recovery.membership import (
     Membership,
     NoRecoveryError,
@@ -44,8 +44,10 @@ from gradsync.recovery.membership import (
     processes,
     publish_process,
 )
-from gradsync.recovery.regroup import close_groups, regroup
+from gradsync.recovery.regroup import close_groups, job_store, regroup
 from gradsync.recovery.rollback import StepStart, UndoLog
+
+ADMIT_EVERY = 10  # steps between two looks for an offer to replacements (heal.py)
 
 
 def _lost_a_peer(exc: BaseException) -> bool:
@@ -119,6 +121,8 @@ class Recovery:
         checkpointer: Checkpointer | None = None,
         window: float = 1.0,
         min_world_size: int = 1,
+        join: str | None = None,
+        join_timeout: float = 3600.0,
     ) -> None:
         _check(model, optimizer, sampler)
         self.model, self.optimizer, self.sampler = model, optimizer, sampler
@@ -127,15 +131,22 @@ class Recovery:
         self.completed = 0  # steps completed by this rank, over all epochs
         self.undo = UndoLog(optimizer)
         self._starts: dict[int, StepStart] = {}
-        self.store: dist.Store = c10d._get_default_store()  # kept: it outlives the groups
+        join = join if join is not None else os.environ.get("GRADSYNC_JOIN")
+        # kept: it outlives every group; a replacement joins with GRADSYNC_JOIN=store_address
+        self.store, self.store_address = job_store(join)
+        self.events: list[dict[str, Any]] = []  # one record per membership change
+        self._pending_log: dict[str, Any] | None = None
+        self._offer: dict[str, Any] | None = None  # the admission offered to replacements
+        self._known_tickets, self._next_poll = 0, 0.0
+        watch_for_regroups(self)
+        if join:
+            self._join(join_timeout)
+            return
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         self.membership = Membership(0, tuple(range(dist.get_world_size())), dist.get_rank(), {})
         self._namespace = f"attempt{attempt}"
         publish_process(self.store, self._generation_key(), self.membership.rank)
         self._peers = processes(self.store, self._generation_key(), self.membership.world_size)
-        self.events: list[dict[str, Any]] = []  # one record per membership change
-        watch_for_regroups(self)
-        self._pending_log: dict[str, Any] | None = None
 
     def begun(self) -> bool:
         """Whether a survivor has begun to regroup this generation (for the deadlines)."""
@@ -153,10 +164,13 @@ class Recovery:
                 if epochs is not None and self.sampler.epoch + 1 >= epochs:
                     return
                 self.sampler.set_epoch(self.sampler.epoch + 1)
+            self._admit_replacements()
             step = Step(self, self.completed)
             yield step
             if not step.entered:
                 raise UsageError("run every step of Recovery.steps() inside `with step:`")
+        if self.membership.rank == 0:
+            heal.close(self.store)  # replacements still waiting would wait for nothing
 
     # -- the step's bookkeeping -----------------------------------------------------------------
     def _begin(self, step: Step) -> None:
@@ -197,15 +211,8 @@ class Recovery:
                 self.model.module, self.optimizer, self.lr_scheduler, self.sampler
             )
             self.optimizer.zero_grad(set_to_none=True)
-            self.membership = new
-            regroup(self.store, self._generation_key(), new.rank, new.world_size, backend,
-                    self.model.options.timeout)  # fmt: skip
-            publish_process(self.store, self._generation_key(), new.rank)
-            self._peers = processes(self.store, self._generation_key(), new.world_size)
-            self.model.regroup()
-            if self.checkpointer is not None:
-                self.checkpointer.regroup()
-            self.sampler.reshard(new.world_size, new.rank)
+            self._regroup_to(new, backend)
+            self._continue_on_the_new_group()
         except GradsyncError as error:
             self._log_fallback(step, error)
             raise error from exc
@@ -222,6 +229,85 @@ class Recovery:
         }  # fmt: skip
         self.events.append(event)
         self._pending_log = event  # logged once the redone step completes
+
+    def _regroup_to(self, new: Membership, backend: str) -> None:
+        self.membership, self._offer = new, None
+        regroup(self.store, self._generation_key(), new.rank, new.world_size, backend,
+                self.model.options.timeout)  # fmt: skip
+        publish_process(self.store, self._generation_key(), new.rank)
+        self._peers = processes(self.store, self._generation_key(), new.world_size)
+
+    def _continue_on_the_new_group(self) -> None:
+        """The wrapper, the checkpointer and the sampler, over the new default group."""
+        self.model.regroup()
+        if self.checkpointer is not None:
+            self.checkpointer.regroup()
+        self.sampler.reshard(self.membership.world_size, self.membership.rank)
+
+    # -- healing ([Note: joining a running job] in heal.py) ------------------------------------
+    def _join(self, timeout: float) -> None:
+        """As a replacement: wait to be admitted, then take a live peer's state."""
+        ticket = heal.ask(self.store)
+        asked = time.time()
+        admission = heal.wait_for_admission(self.store, ticket, timeout)
+        admitted = time.time()
+        backend = close_groups()  # the replacement's own torchrun group
+        self._namespace = admission["namespace"]
+        members = tuple(range(admission["members"]))
+        new = Membership(admission["generation"], members, admission["rank"], {},
+                         tuple(admission["tickets"]))  # fmt: skip
+        self._regroup_to(new, backend)
+        self._take_state(receive=True)
+        self.events.append({"generation": new.generation, "joined": list(new.joined),
+                            "step": self.completed, "world_size": new.world_size,
+                            "rank": new.rank, "asked": asked, "admitted": admitted,
+                            "switched": time.time()})  # fmt: skip
+
+    def _admit_replacements(self) -> None:
+        """At a step's start: offer waiting replacements a step, or admit them at it."""
+        scope, me, every = self._generation_key(), self.membership, ADMIT_EVERY
+        if me.rank == 0 and self._offer is None and time.monotonic() > self._next_poll:
+            self._next_poll = time.monotonic() + 1.0  # one store read a second
+            taken = int(self.store.add(heal.TICKETS, 0))
+            if taken > self._known_tickets:
+                self._known_tickets = taken
+                tickets = heal.waiting(self.store)
+                if tickets:  # members look every `every` steps: all have seen it by then
+                    at = (self.completed // every + 2) * every
+                    heal.offer(self.store, scope, at, tickets)
+        if self._offer is None and self.completed % every == 0:
+            self._offer = heal.offered(self.store, scope)  # one store read per `every` steps
+        if self._offer is None or self._offer["step"] != self.completed:
+            return
+        start, tickets = time.time(), self._offer["tickets"]
+        new = Membership(me.generation + 1, tuple(range(me.world_size)), me.rank, {},
+                         tuple(tickets))  # fmt: skip
+        if me.rank == 0:
+            admission = {"namespace": self._namespace, "generation": new.generation,
+                         "members": me.world_size, "tickets": tickets}  # fmt: skip
+            heal.admit(self.store, tickets, {**admission, "world_size": new.world_size})
+        self._regroup_to(new, close_groups())
+        self._take_state(receive=False)
+        event = {"generation": new.generation, "joined": tickets, "step": self.completed,
+                 "world_size": new.world_size, "rank": new.rank, "started": start,
+                 "switched": time.time()}  # fmt: skip
+        self.events.append(event)
+        if new.rank == 0:
+            _logger().warning(
+                f"gradsync: {len(tickets)} rank(s) joined at step {self.completed}; continuing "
+                f"on {new.world_size} ranks (switched in {event['switched'] - start:.2f} s)"
+            )
+
+    def _take_state(self, receive: bool) -> None:
+        """Rank 0's training state onto every rank (``receive``: load it here), then go on."""
+        small: dict[str, Any] = {"completed": self.completed, "sampler": self.sampler.state_dict()}
+        small = heal.transfer_state(
+            self.model.module, self.optimizer, self.lr_scheduler, small, receive
+        )
+        if receive:
+            self.completed = small["completed"]
+            self.sampler.load_state_dict(small["sampler"])
+        self._continue_on_the_new_group()
 
     def _check_can_go_on(self, new: Membership, target: int, lost: dict[int, Any]) -> None:
         why = None

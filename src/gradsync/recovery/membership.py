@@ -52,10 +52,11 @@ class Membership:
     members: tuple[int, ...]  # ranks of the previous generation, in their new rank order
     rank: int  # this process's rank in this generation
     reports: Mapping[int, dict]  # what each member reported at the agreement (by old rank)
+    joined: tuple[int, ...] = ()  # replacements admitted (their tickets), ranked after members
 
     @property
     def world_size(self) -> int:
-        return len(self.members)
+        return len(self.members) + len(self.joined)
 
 
 def _key(scope: str, *parts: object) -> str:

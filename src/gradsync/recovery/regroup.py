@@ -20,6 +20,7 @@ collectives outside gradsync are the user's to re-create over the new default gr
 
 from __future__ import annotations
 
+import os
 from datetime import timedelta
 
 import torch.distributed as dist
@@ -44,6 +45,19 @@ def close_groups() -> str:
     _retired.extend(groups)
     dist.destroy_process_group()
     return backend
+
+
+def job_store(join: str | None) -> tuple[dist.Store, str | None]:
+    """The store every member, and a replacement, can reach, and its ``host:port`` if it has
+    one: the store at ``join`` (a replacement's), else under torchrun a client of the workers'
+    store (``MASTER_ADDR``, ``MASTER_PORT``), else the default group's (``file://``)."""
+    address = join
+    if address is None and "TORCHELASTIC_RUN_ID" in os.environ:
+        address = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+    if address is None:
+        return dist.distributed_c10d._get_default_store(), None
+    host, port = address.rsplit(":", 1)
+    return dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=60)), address
 
 
 def regroup(

@@ -277,14 +277,15 @@ class SimulatedCluster(SimulatedNetwork):
         extra_env: Mapping[str, str] | None = None,
         *,
         cwd: str | os.PathLike[str] | None = None,
+        first_node: int = 0,
     ) -> tuple[list[subprocess.Popen[bytes]], str]:
-        """Start ``cmds[i]`` in node ``i`` with :meth:`launch`'s environment; return at once the
-        processes and the folder of their output (``node{i}.out``/``.err``)."""
+        """Start ``cmds[i]`` in node ``first_node + i`` with :meth:`launch`'s environment; return
+        at once the processes and the folder of their output (``node{i}.out``/``.err``)."""
         out_dir = tempfile.mkdtemp(prefix="launch", dir=self.tmpdir)
         threads = max(1, (os.cpu_count() or 1) // (len(cmds) * nproc_per_node))
         base_env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=str(threads))
         procs: list[subprocess.Popen[bytes]] = []
-        for i, cmd in enumerate(cmds):  # teardown ends them if a later one fails to start
+        for i, cmd in enumerate(cmds, first_node):  # teardown ends them if a later one fails
             env = {**base_env, **self.env(i), **(extra_env or {})}
             argv = self.exec_args(i, cmd)
             out, err = (open(f"{out_dir}/node{i}.{ext}", "wb") for ext in ("out", "err"))

@@ -1,0 +1,119 @@
+"""Healing: a replacement joins the running job at a step boundary, with a live peer's state.
+
+[Note: joining a running job]
+A replacement is started by a torchrun of its own (``--standalone``, or any rendezvous the job's
+agents do not share: an agent that sees a node ask to join its rendezvous restarts its
+workers, which is the restart this avoids), with ``GRADSYNC_JOIN=host:port`` naming the job's
+store. Its script is the job's script: it builds the model, optimizer and sampler as every rank
+did at the start, and :class:`~gradsync.recovery.Recovery` then, instead of training,
+
+1. takes a ticket (``store.add``) and waits to be admitted;
+2. meanwhile the job trains on. At most once a second, at the start of a step ``k``, its rank 0
+   looks for tickets not yet admitted and, if there are, offers them the step ``a`` that is
+   the second multiple of ``P`` (``ADMIT_EVERY``, 10) after ``k``, under the generation's name
+   in the store. Every member looks for an offer at the start of the steps that are multiples
+   of ``P`` (one store read per ``P`` steps). No member can start a step after ``k`` before
+   rank 0 began ``k``, so every member reads the offer at the multiple of ``P`` between ``k``
+   and ``a``, and all switch at the start of step ``a`` together;
+3. at that boundary the members and the admitted regroup as one new generation (the members
+   first, in their order, then the newcomers by ticket), and rank 0 broadcasts what the
+   newcomers lack: parameters and buffers, the optimizer's and the LR scheduler's state, the
+   data position and the step count. The replicas are then checked bit-identical, and
+   everybody goes on with step ``a`` at the larger world size.
+
+Members lose nothing while a newcomer starts (its imports, model build and connection happen
+before it asks), and the switch costs a regroup and one broadcast of the training state.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from gradsync.errors import GradsyncError
+
+TICKETS, _ADMITTED = "gradsync/join/tickets", "gradsync/join/admitted"
+_CLOSED = "gradsync/join/closed"
+
+
+class JoinError(GradsyncError, RuntimeError):
+    """A replacement could not join the running job (the message says why)."""
+
+
+def ask(store: dist.Store) -> int:
+    """Take a ticket to join; the job admits tickets in their order."""
+    return int(store.add(TICKETS, 1))
+
+
+def waiting(store: dist.Store) -> list[int]:
+    """Tickets taken and not yet admitted."""
+    taken, admitted = int(store.add(TICKETS, 0)), int(store.add(_ADMITTED, 0))
+    return list(range(admitted + 1, taken + 1))
+
+
+def offer(store: dist.Store, scope: str, at_step: int, tickets: list[int]) -> None:
+    store.set(f"gradsync/recovery/{scope}/offer", json.dumps({"step": at_step, "tickets": tickets}))
+
+
+def offered(store: dist.Store, scope: str) -> dict[str, Any] | None:
+    key = f"gradsync/recovery/{scope}/offer"
+    return json.loads(store.get(key)) if store.check([key]) else None
+
+
+def admit(store: dist.Store, tickets: list[int], admission: dict[str, Any]) -> None:
+    """Tell each admitted ticket its place (``admission`` plus its rank): rank 0 does."""
+    first = admission["world_size"] - len(tickets)
+    for i, ticket in enumerate(tickets):
+        store.set(f"gradsync/join/{ticket}", json.dumps({**admission, "rank": first + i}))
+    store.add(_ADMITTED, len(tickets))
+
+
+def close(store: dist.Store) -> None:
+    """The job has ended: replacements still waiting stop waiting."""
+    store.set(_CLOSED, "1")
+
+
+def wait_for_admission(store: dist.Store, ticket: int, timeout: float) -> dict[str, Any]:
+    key = f"gradsync/join/{ticket}"
+    give_up = time.monotonic() + timeout
+    while not store.check([key]):
+        if store.check([_CLOSED]):
+            raise JoinError(f"ticket {ticket}: the job ended before it admitted this replacement")
+        if time.monotonic() > give_up:
+            raise JoinError(f"ticket {ticket}: not admitted within {timeout:g} s")
+        time.sleep(0.05)
+    return json.loads(store.get(key))
+
+
+def transfer_state(
+    module: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, small: dict[str, Any],
+    receive: bool,
+) -> dict[str, Any]:  # fmt: skip
+    """Rank 0's training state, onto every rank of the default group: the module's parameters
+    and buffers in one broadcast per dtype, then the optimizer's and the scheduler's state and
+    ``small`` (the data position, the step count) pickled; loaded where ``receive`` (members
+    hold it already). Returns rank 0's ``small``."""
+    tensors = [t.detach() for t in [*module.parameters(), *module.buffers()]]
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for t in tensors:
+        by_dtype.setdefault(t.dtype, []).append(t)
+    with torch.no_grad():
+        for group in by_dtype.values():
+            flat = torch.cat([t.reshape(-1) for t in group])
+            dist.broadcast(flat, group_src=0)
+            offset = 0
+            for t in group:
+                t.copy_(flat[offset : offset + t.numel()].view_as(t))
+                offset += t.numel()
+    sent: list[Any] = [optimizer.state_dict(), scheduler and scheduler.state_dict(), small]
+    dist.broadcast_object_list(sent, group_src=0)
+    if receive:
+        optimizer.load_state_dict(sent[0])
+        if scheduler is not None:
+            scheduler.load_state_dict(sent[1])
+    return dict(sent[2])
