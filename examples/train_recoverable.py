@@ -28,7 +28,9 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader
 
 import gradsync
+from gradsync.checkpoint import Checkpointer
 from gradsync.data import GlobalBatchSampler
+from gradsync.elastic import joining
 from gradsync.recovery import Recovery
 from gradsync.testing.corpus import CharDataset, generate_corpus
 from gradsync.testing.gpt import GPT, GPTConfig, lm_loss
@@ -44,7 +46,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--timeout-s", type=float, default=20.0)
     p.add_argument("--window-s", type=float, default=1.0, help="Recovery's roll-call window")
     p.add_argument("--step-time", type=float, default=0.0,
-                   help="pad each step to this many seconds (a larger model's step time)")  # fmt: skip
+                   help="pad steps to this many seconds (a larger model's step)")  # fmt: skip
+    p.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps")
     p.add_argument("--log-samples", default=None)
     p.add_argument("--out", default="out-recoverable")
     return p.parse_args()
@@ -73,7 +76,12 @@ def main() -> int:
     ddp = gradsync.DistributedDataParallel(model, reduction="item_mean", timeout=args.timeout_s)
     opt = torch.optim.AdamW(ddp.parameters(), lr=args.lr, weight_decay=0.01)
     scheduler = schedule(opt, args.max_steps)
-    recovery = Recovery(ddp, opt, sampler, lr_scheduler=scheduler, window=args.window_s)  # +
+    ckpt = Checkpointer(os.path.join(args.out, "checkpoints"), model=ddp, optimizer=opt,
+                        lr_scheduler=scheduler, sampler=sampler)  # fmt: skip
+    if not joining():  # the restart path: resume from the newest checkpoint, if any
+        ckpt.load()
+    recovery = Recovery(ddp, opt, sampler, lr_scheduler=scheduler, checkpointer=ckpt,  # +
+                        window=args.window_s)  # fmt: skip
     log = open(args.log_samples, "a") if args.log_samples else None
     if dist.get_rank() == 0 and recovery.membership.generation == 0 and recovery.store_address:
         os.makedirs(args.out, exist_ok=True)  # for replacements: GRADSYNC_JOIN=<this address>
@@ -93,6 +101,8 @@ def main() -> int:
             opt.step()
             scheduler.step()
             opt.zero_grad(set_to_none=True)
+            if args.save_every and (step.number + 1) % args.save_every == 0:
+                ckpt.save(step.number + 1)
             time.sleep(max(0.0, args.step_time - (time.monotonic() - started)))
             if log:  # inside the block: code after it runs after an interrupted step too
                 indices = [i for batch in sampler.micro_batches_of(step.index) for i in batch]

@@ -41,3 +41,9 @@ def check_restartable() -> None:
             f"{FIX}",
             stacklevel=3,
         )
+
+
+def joining() -> str | None:
+    """The store of the running job this process is to join as a replacement
+    (``GRADSYNC_JOIN=host:port``, see ``gradsync.recovery``), if it is one."""
+    return os.environ.get("GRADSYNC_JOIN") or None

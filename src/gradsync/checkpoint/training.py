@@ -37,6 +37,7 @@ from gradsync.checkpoint.folder import (
 )
 from gradsync.checkpoint.loadable import check_loadable
 from gradsync.checkpoint.state import TrainingObjects, mismatches, refuse_resize, snapshot
+from gradsync.elastic import joining
 from gradsync.errors import CheckpointError, CollectiveTimeoutError, ProtocolError, UsageError
 from gradsync.failfast.deadline import Deadline, as_timedelta, regroup_begun, watching
 from gradsync.optim.master import MasterWeights
@@ -83,6 +84,8 @@ class Checkpointer:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._staging: Any = None  # the last async snapshot, refilled by the next one
+        if joining():  # a replacement: the job it joins holds the folder and its partials
+            return
         self._claim_folder()
         if self.rank == 0:
             for path in self.folder.remove_partials():

@@ -31,6 +31,7 @@ import torch.distributed as dist
 from gradsync.checkpoint import Checkpointer
 from gradsync.data import GlobalBatchSampler
 from gradsync.ddp.wrapper import DistributedDataParallel
+from gradsync.elastic import joining
 from gradsync.errors import CollectiveTimeoutError, GradsyncError, UsageError
 from gradsync.failfast.deadline import watch_for_regroups
 from gradsync.optim.sharded import ShardedOptimizer
@@ -128,10 +129,11 @@ class Recovery:
         self.model, self.optimizer, self.sampler = model, optimizer, sampler
         self.lr_scheduler, self.checkpointer = lr_scheduler, checkpointer
         self.window, self.min_world_size = window, min_world_size
-        self.completed = 0  # steps completed by this rank, over all epochs
+        # steps completed, over all epochs (a sampler loaded from a checkpoint says how many)
+        self.completed = sampler.epoch * sampler.steps_per_epoch + sampler.step
         self.undo = UndoLog(optimizer)
         self._starts: dict[int, StepStart] = {}
-        join = join if join is not None else os.environ.get("GRADSYNC_JOIN")
+        join = join if join is not None else joining()
         # kept: it outlives every group; a replacement joins with GRADSYNC_JOIN=store_address
         self.store, self.store_address = job_store(join)
         self.events: list[dict[str, Any]] = []  # one record per membership change
