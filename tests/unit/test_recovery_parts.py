@@ -1,0 +1,135 @@
+"""The parts of in-process recovery that one process can check: one membership however the
+survivors' views differ, the undo of an optimizer step, the step-start snapshot, the refusals."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import gradsync
+from gradsync.data import GlobalBatchSampler
+from gradsync.failfast.liveness import this_process
+from gradsync.recovery import Membership, NoRecoveryError, RankExcludedError, Recovery
+from gradsync.recovery.membership import agree
+from gradsync.recovery.rollback import StepStart, UndoLog
+
+
+def _agree_all(store: dist.Store, reports: dict[int, dict], windows: dict[int, float]) -> dict:
+    """Run agree() for each rank in ``reports`` on its own thread; rank -> result or error."""
+    current = Membership(0, (0, 1, 2), 0, {})
+    peers = {r: None for r in range(3)}  # another host: no process to look at
+    out: dict[int, object] = {}
+
+    def run(rank: int) -> None:
+        me = Membership(0, current.members, rank, {})
+        try:
+            out[rank] = agree(store, "s", me, reports[rank], peers, windows[rank])
+        except Exception as exc:  # noqa: BLE001
+            out[rank] = exc
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in reports]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    return out
+
+
+def test_survivors_that_answer_agree_on_one_membership_and_new_ranks() -> None:
+    store = dist.HashStore()
+    out = _agree_all(store, {0: {"done": 5}, 2: {"done": 6}}, {0: 0.5, 2: 0.5})
+    (m0, lost0), (m2, lost2) = out[0], out[2]  # type: ignore[misc]
+    assert m0.members == m2.members == (0, 2)
+    assert (m0.rank, m2.rank, m0.generation, m0.world_size) == (0, 1, 1, 2)
+    assert m0.reports == {0: {"done": 5}, 2: {"done": 6}} and set(lost0) == set(lost2) == {1}
+
+
+def test_a_survivor_that_answers_after_the_decision_is_left_out_not_split_off() -> None:
+    """Rank 0 decides alone after a short window; rank 2, slower to answer, must not go on
+    with a group of its own: it reads the decision and is told it was left out."""
+    store = dist.HashStore()
+    out = _agree_all(store, {0: {"done": 5}}, {0: 0.05})
+    membership, _ = out[0]  # type: ignore[misc]
+    assert membership.members == (0,)
+    late = _agree_all(store, {2: {"done": 5}}, {2: 0.05})[2]
+    assert isinstance(late, RankExcludedError) and "answered after the others" in str(late)
+
+
+def test_a_silent_rank_seen_alive_on_this_host_sends_everyone_to_the_restart_path() -> None:
+    store = dist.HashStore()
+    me = Membership(0, (0, 1), 0, {})
+    alive = this_process()  # rank 1 "is" this very process: running, and silent
+    with pytest.raises(NoRecoveryError, match="alive but did not answer"):
+        agree(store, "s", me, {"done": 1}, {0: None, 1: alive}, 0.05)
+
+
+def _adam_and_params() -> tuple[nn.Linear, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    layer = nn.Linear(3, 2).double()
+    return layer, torch.optim.AdamW(layer.parameters(), lr=0.1)
+
+
+def _step(layer: nn.Linear, opt: torch.optim.Optimizer) -> None:
+    layer(torch.ones(4, 3, dtype=torch.float64)).sum().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def test_the_undo_log_takes_back_an_optimizer_step_including_the_first() -> None:
+    layer, opt = _adam_and_params()
+    undo = UndoLog(opt)
+    before = [p.detach().clone() for p in layer.parameters()]
+    undo.step = 0
+    _step(layer, opt)  # AdamW's state is created here: undone, it is gone again
+    assert undo.undo(0)
+    assert all(torch.equal(p, b) for p, b in zip(layer.parameters(), before, strict=True))
+    assert not opt.state
+    _step(layer, opt)
+    state = {k: v.clone() for k, v in opt.state[layer.weight].items()}
+    params = [p.detach().clone() for p in layer.parameters()]
+    undo.step = 1
+    _step(layer, opt)
+    assert not undo.undo(2)  # this rank did not step in step 2: nothing to take back
+    assert undo.undo(1)
+    assert all(torch.equal(p, b) for p, b in zip(layer.parameters(), params, strict=True))
+    assert all(torch.equal(opt.state[layer.weight][k], v) for k, v in state.items())
+
+
+@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\(\)`")
+def test_the_step_start_puts_back_the_schedule_the_rates_buffers_and_position() -> None:
+    layer, opt = _adam_and_params()
+    layer.register_buffer("count", torch.zeros(1))
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    sampler = GlobalBatchSampler(range(20), 4, num_replicas=1, rank=0)
+    start = StepStart.take(0, layer, opt, sched, sampler)
+    sampler.step = 3
+    layer.count += 1
+    sched.step()
+    assert opt.param_groups[0]["lr"] == 0.05
+    start.restore(layer, opt, sched, sampler)
+    assert opt.param_groups[0]["lr"] == 0.1 and sched.last_epoch == 0
+    assert sampler.step == 0 and layer.count.item() == 0
+
+
+@pytest.mark.usefixtures("one_rank")
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [({"reduction": "mean"}, 'reduction="item_mean"'), ({"compression": "bf16"}, "compression")],
+)
+def test_recovery_refuses_settings_it_cannot_redo_exactly(kwargs: dict, match: str) -> None:
+    model = gradsync.DistributedDataParallel(nn.Linear(2, 2), **kwargs)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(gradsync.UsageError, match=match):
+        Recovery(model, opt, GlobalBatchSampler(range(8), 4))
+
+
+@pytest.mark.usefixtures("one_rank")
+def test_recovery_refuses_zero1_naming_the_lost_slice() -> None:
+    model = gradsync.DistributedDataParallel(nn.Linear(2, 2), reduction="item_mean")
+    opt = model.shard_optimizer(torch.optim.SGD, lr=0.1)
+    with pytest.raises(gradsync.UsageError, match="slice of the optimizer state"):
+        Recovery(model, opt, GlobalBatchSampler(range(8), 4))
