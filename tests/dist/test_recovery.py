@@ -25,7 +25,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import gradsync
 from gradsync.checkpoint import Checkpointer
 from gradsync.data import GlobalBatchSampler
-from gradsync.recovery import Recovery
+from gradsync.recovery import NoRecoveryError, Recovery
 from gradsync.testing.spawn import RankFailure, spawn
 
 pytestmark = pytest.mark.filterwarnings("ignore:global batches of")  # item_mean: exact anyway
@@ -159,3 +159,39 @@ def test_a_rank_lost_during_a_save_after_the_optimizer_step_is_rolled_back(tmp_p
         f"step_{s:08d}" for s in range(2, STEPS + 1, 2)
     ]
     assert not list(tmp_path.glob(".step_*.partial"))
+
+
+def _stuck(rank: int, world: int) -> str:
+    """Rank 2 stops itself (SIGSTOP) at step 2: alive, silent. The others must take the restart
+    path, all of them, saying why; then they end the stopped process."""
+    data = _data()
+    ddp = gradsync.DistributedDataParallel(_model(), reduction="item_mean", timeout=10.0)
+    opt, sched = _optimizer(ddp.parameters())
+    sampler = GlobalBatchSampler(data, GLOBAL_BATCH, shuffle=True, seed=5)
+    recovery = Recovery(ddp, opt, sampler, lr_scheduler=sched, window=1.0)
+    stopped = recovery._peers[2]
+    loader = DataLoader(data)
+    try:
+        for step in recovery.steps(STEPS):
+            with step:
+                if rank == 2 and step.number == 2:
+                    os.kill(os.getpid(), signal.SIGSTOP)
+                for x, y in step.micro_batches(loader):
+                    loss = ((ddp(x) - y) ** 2).sum()
+                    ddp.count_items(len(x))
+                    loss.backward()
+                opt.step()
+                opt.zero_grad()
+    except NoRecoveryError as exc:
+        assert stopped is not None
+        os.kill(stopped.pid, signal.SIGKILL)
+        return str(exc)
+    return "trained on"
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_stopped_rather_than_dead_sends_every_survivor_to_the_restart_path() -> None:
+    results = spawn(_stuck, 3, fresh=True, return_failures=True, timeout_s=90)
+    assert isinstance(results[2], RankFailure)
+    for rank in (0, 1):
+        assert "rank(s) [2] of generation 0 are alive but did not answer" in results[rank], results

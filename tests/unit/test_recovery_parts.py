@@ -99,7 +99,7 @@ def test_the_undo_log_takes_back_an_optimizer_step_including_the_first() -> None
     assert all(torch.equal(opt.state[layer.weight][k], v) for k, v in state.items())
 
 
-@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\(\)`")
+@pytest.mark.filterwarnings(r"ignore:Detected call of `lr_scheduler.step\(\)`")
 def test_the_step_start_puts_back_the_schedule_the_rates_buffers_and_position() -> None:
     layer, opt = _adam_and_params()
     layer.register_buffer("count", torch.zeros(1))

@@ -47,7 +47,14 @@ class JoinError(GradsyncError, RuntimeError):
 
 def ask(store: dist.Store) -> int:
     """Take a ticket to join; the job admits tickets in their order."""
-    return int(store.add(TICKETS, 1))
+    ticket = int(store.add(TICKETS, 1))
+    store.set(f"gradsync/join/{ticket}/asked", repr(time.time()))  # for the job's records
+    return ticket
+
+
+def asked(store: dist.Store, tickets: list[int]) -> float:
+    """When the first of ``tickets`` was taken (``time.time()`` of its process)."""
+    return min(float(store.get(f"gradsync/join/{t}/asked")) for t in tickets)
 
 
 def waiting(store: dist.Store) -> list[int]:

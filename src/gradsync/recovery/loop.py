@@ -284,15 +284,18 @@ class Recovery:
         start, tickets = time.time(), self._offer["tickets"]
         new = Membership(me.generation + 1, tuple(range(me.world_size)), me.rank, {},
                          tuple(tickets))  # fmt: skip
+        asked = None
         if me.rank == 0:
             admission = {"namespace": self._namespace, "generation": new.generation,
                          "members": me.world_size, "tickets": tickets}  # fmt: skip
             heal.admit(self.store, tickets, {**admission, "world_size": new.world_size})
+            asked = heal.asked(self.store, tickets)
         self._regroup_to(new, close_groups())
+        regrouped = time.time()
         self._take_state(receive=False)
         event = {"generation": new.generation, "joined": tickets, "step": self.completed,
                  "world_size": new.world_size, "rank": new.rank, "started": start,
-                 "switched": time.time()}  # fmt: skip
+                 "asked": asked, "regrouped": regrouped, "switched": time.time()}  # fmt: skip
         self.events.append(event)
         if new.rank == 0:
             _logger().warning(
