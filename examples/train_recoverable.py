@@ -109,7 +109,8 @@ def main() -> int:
                 me = recovery.membership
                 record = {"step": step.number, "rank": me.rank, "indices": indices,
                           "world": me.world_size, "generation": me.generation,
-                          "time": time.time()}  # fmt: skip
+                          "attempt": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),
+                          "pid": os.getpid(), "time": time.time()}  # fmt: skip
                 print(json.dumps(record), file=log, flush=True)
 
     rank = recovery.membership.rank

@@ -165,7 +165,8 @@ def _stuck(rank: int, world: int) -> str:
     """Rank 2 stops itself (SIGSTOP) at step 2: alive, silent. The others must take the restart
     path, all of them, saying why; then they end the stopped process."""
     data = _data()
-    ddp = gradsync.DistributedDataParallel(_model(), reduction="item_mean", timeout=10.0)
+    # A stopped rank keeps its connections open: the others notice it at the deadline.
+    ddp = gradsync.DistributedDataParallel(_model(), reduction="item_mean", timeout=3.0)
     opt, sched = _optimizer(ddp.parameters())
     sampler = GlobalBatchSampler(data, GLOBAL_BATCH, shuffle=True, seed=5)
     recovery = Recovery(ddp, opt, sampler, lr_scheduler=sched, window=1.0)

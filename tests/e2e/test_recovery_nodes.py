@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import signal
 import sys
 import time
 from pathlib import Path
@@ -44,11 +45,15 @@ def read_log(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")]
 
 
-def wait_for(predicate, seconds: float, what: str, procs) -> None:  # type: ignore[no-untyped-def]
+def wait_for(predicate, seconds: float, what: str, procs, out_dir=None) -> None:  # type: ignore[no-untyped-def]
+    """Poll ``predicate``; on a timeout, or node 0 ending first, fail with the nodes' output."""
     deadline = time.monotonic() + seconds
     while not predicate():
-        assert procs[0].poll() is None, f"node 0 exited while waiting for {what}"
-        assert time.monotonic() < deadline, f"no {what} within {seconds} s"
+        problem = procs[0].poll() is not None and f"node 0 exited while waiting for {what}"
+        problem = problem or (time.monotonic() > deadline and f"no {what} within {seconds} s")
+        if problem:
+            logs = sorted(Path(out_dir).glob("node*.*")) if out_dir else []
+            pytest.fail(problem + "".join(f"\n--- {p.name}\n{p.read_text()[-3000:]}" for p in logs))
         time.sleep(0.02)
 
 
@@ -58,11 +63,14 @@ def check_trajectory(
     """Each step's global batch, used once, split as the membership that completed it splits it
     (ranks that died after their share of a step's reduction could not log it)."""
     dataset = CharDataset(generate_corpus(sentences), 32)
-    died_after = {e["generation"] - 1: set(e["lost"]) for e in events if "lost" in e}
+    last_attempt = max(r["attempt"] for r in records)  # events are the last attempt's
+    died_after = {(last_attempt, e["generation"] - 1): set(e["lost"]) for e in events
+                  if "lost" in e}  # fmt: skip
     for k in range(steps):
         of_step = [r for r in records if r["step"] == k]
-        last = max(r["generation"] for r in of_step)
-        final = {r["rank"]: r for r in of_step if r["generation"] == last}
+        assert of_step, f"no rank logged step {k}"
+        last = max((r["attempt"], r["generation"]) for r in of_step)
+        final = {r["rank"]: r for r in of_step if (r["attempt"], r["generation"]) == last}
         world = next(iter(final.values()))["world"]
         missing = set(range(world)) - set(final)
         assert missing <= died_after.get(last, set()), (k, sorted(final), died_after)
@@ -94,7 +102,7 @@ def test_a_lost_node_costs_one_step_redone_in_process(tmp_path: Path) -> None:
         kill = time.time()
         cluster.kill_node(procs[1])
         result = out / "result.json"
-        wait_for(result.exists, 120, "result", procs)
+        wait_for(result.exists, 120, "result", procs, out_dir)
         time.sleep(0.2)  # the file is written in one go, but let it close
         output = (Path(out_dir) / "node0.out").read_text() + (
             Path(out_dir) / "node0.err"
@@ -127,7 +135,7 @@ def test_chaos_nodes_die_at_random_points_and_are_replaced(tmp_path: Path) -> No
     rng = random.Random(seed)
     print(f"chaos seed {seed} (GRADSYNC_CHAOS_SEED={seed} repeats it)")
     out, log = tmp_path / "run", tmp_path / "samples.jsonl"
-    steps, sentences, step_time = 600, 5000, 0.05  # room for two replacements to start
+    steps, sentences, step_time = 400, 4000, 0.05  # room for two replacements to start
     argv = [str(SCRIPT), "--max-steps", str(steps), "--sentences", str(sentences)]
     argv += ["--global-batch", str(GLOBAL_BATCH), "--step-time", str(step_time)]
     argv += [
@@ -164,7 +172,7 @@ def test_chaos_nodes_die_at_random_points_and_are_replaced(tmp_path: Path) -> No
                 generation += 1
         assert not any(r["step"] == steps - 1 for r in read_log(log)), "the job ended too soon"
         result = out / "result.json"
-        wait_for(result.exists, 150, "result", procs)
+        wait_for(result.exists, 150, "result", procs, out_dir)
         time.sleep(0.2)
         output = "".join((Path(out_dir) / f"node0.{ext}").read_text() for ext in ("out", "err"))
     outcome = json.loads(result.read_text())
@@ -185,3 +193,35 @@ def test_chaos_nodes_die_at_random_points_and_are_replaced(tmp_path: Path) -> No
                  "members: state transfer + checks": join["switched"] - join["regrouped"],
                  "members: switch": join["switched"] - join["started"]}  # fmt: skip
         print("heal:", json.dumps({k: round(v, 3) for k, v in times.items()}))
+
+
+def test_losing_the_store_falls_back_to_torchruns_restart(tmp_path: Path) -> None:
+    """Global rank 0's process holds the job's store: killed, it takes in-process recovery
+    with it. The survivors say so in one line and end; torchrun restarts every worker (rank 0's
+    agent for its own failure, the other for the rendezvous it asks again), the job resumes
+    from its newest checkpoint, and the end still equals one process."""
+    out, log = tmp_path / "run", tmp_path / "samples.jsonl"
+    argv = [str(SCRIPT), "--max-steps", str(STEPS), "--sentences", str(SENTENCES)]
+    argv += ["--global-batch", str(GLOBAL_BATCH), "--save-every", "4", "--timeout-s", "10"]
+    argv += ["--log-samples", str(log), "--out", str(out)]
+    with SimulatedCluster(2, rate_mbit=1000) as cluster:
+        cmds = cluster.elastic_torchrun_commands(argv, 2, RDZV_CONF)
+        env = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+        procs, out_dir = cluster.start(cmds, 2, env)
+        saved = lambda: any((out / "checkpoints").glob("step_*8"))  # noqa: E731
+        wait_for(saved, 150, "the checkpoint of step 8", procs)
+        rank0 = next(r["pid"] for r in read_log(log) if r["rank"] == 0)
+        os.kill(rank0, signal.SIGKILL)
+        result = out / "result.json"
+        wait_for(result.exists, 150, "result", procs, out_dir)
+        time.sleep(0.2)
+        output = "".join((Path(out_dir) / f"node{i}.{ext}").read_text()
+                          for i in (0, 1) for ext in ("out", "err"))  # fmt: skip
+    outcome = json.loads(result.read_text())
+    assert outcome["verdict"] == "PASS" and outcome["world"] == 4, (outcome, output[-6000:])
+    assert "cannot recover in-process" in output and "restarts from its last checkpoint" in output
+    records = read_log(log)
+    assert max(r["attempt"] for r in records) == 1 and not outcome["events"]
+    resumed = min(r["step"] for r in records if r["attempt"] == 1)
+    assert resumed % 4 == 0 and resumed >= 8  # at a checkpoint, not where the loss was
+    assert {r["world"] for r in records if r["attempt"] == 1} == {4}

@@ -39,6 +39,7 @@ from gradsync.recovery import heal
 from gradsync.recovery.membership import (
     Membership,
     NoRecoveryError,
+    RankExcludedError,
     agree,
     announce,
     begun,
@@ -110,6 +111,10 @@ class Recovery:
         window: the longest the survivors wait for each other's answers after a loss (seconds);
             a silent rank on another host is taken for lost after it.
         min_world_size: fewer survivors than this take the restart path instead.
+        join: the ``host:port`` of a running job's store (its ``store_address``) to join as a
+            replacement; by default ``GRADSYNC_JOIN``, if set ([Note: joining a running job]
+            in ``heal.py``). The constructor then returns once admitted, with the job's state.
+        join_timeout: the longest a replacement waits to be admitted (seconds).
     """
 
     def __init__(
@@ -183,10 +188,12 @@ class Recovery:
         self._starts = {n: s for n, s in self._starts.items() if n == step.number - 1}
         self._starts[step.number] = start
         self.undo.step = step.number
+        # The sampler's own rule: a step is counted once its micro-batches are handed out, so a
+        # checkpoint saved inside the step resumes at the next one.
+        self.sampler.step = step.index + 1
 
     def _completed(self, step: Step) -> None:
         self.completed = step.number + 1
-        self.sampler.step = step.index + 1
         if self._pending_log is not None:
             self._pending_log["redone_s"] = time.time() - self._pending_log["regrouped"]
             self._log(self._pending_log)
@@ -337,6 +344,9 @@ class Recovery:
         )
 
     def _log_fallback(self, step: Step, error: BaseException) -> None:
+        if isinstance(error, RankExcludedError):
+            _logger().error(f"{error} (step {step.number})")
+            return
         _logger().error(
             f"gradsync: rank {self.membership.rank} cannot recover in-process at step "
             f"{step.number} ({error}); exiting so that the job restarts from its last checkpoint"
