@@ -149,9 +149,12 @@ class Recovery:
         if join:
             self._join(join_timeout)
             return
-        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         self.membership = Membership(0, tuple(range(dist.get_world_size())), dist.get_rank(), {})
-        self._namespace = f"attempt{attempt}"
+        # This job's keys in the store, drawn by rank 0: a store can outlive a torchrun restart,
+        # and torchrun's restart count differs from one agent to another.
+        token = [os.urandom(8).hex()]
+        dist.broadcast_object_list(token, group_src=0)
+        self._namespace = token[0]
         publish_process(self.store, self._generation_key(), self.membership.rank)
         self._peers = processes(self.store, self._generation_key(), self.membership.world_size)
 
