@@ -167,10 +167,10 @@ class DistributedDataParallel(TorchSurface, TorchDDP):  # type: ignore[override,
             self.options, self._deadline, self._join, self.timeline, ops, inputs_to
         )
 
-    def regroup(self) -> None:
+    def regroup(self, from_rank_0: bool = False) -> None:
         """Go on over the new default group after a membership change (gradsync.recovery),
         between steps: new buckets, hooks and private group; the replicas are checked equal
-        (``ReplicaMismatchError``), not overwritten by a broadcast."""
+        (``ReplicaMismatchError``), or with ``from_rank_0`` take rank 0's, as at construction."""
         if self.device_mesh is not None or self._sharded is not None or self._torch_hook:
             raise UsageError("regroup() covers no mesh, ZeRO-1 or comm hook (per-rank state)")
         self.reducer.retire()
@@ -178,7 +178,8 @@ class DistributedDataParallel(TorchSurface, TorchDDP):  # type: ignore[override,
         where, opts, name = torch_args.module_device(self.module), self.options, "the regrouped DDP"
         self._deadline = Deadline.for_group(self.process_group, opts.timeout, name, where)
         self._layouts = grad_layouts(self._named_parameters(), self.process_group)
-        self._build((), dataclasses.replace(opts, init_sync=False, init_sync_buffers=False))
+        checked = dataclasses.replace(opts, init_sync=False, init_sync_buffers=False)
+        self._build((), opts if from_rank_0 else checked)
 
     # -- the settings, as torch DDP exposes them (read-only: they must agree across ranks) ----
     reduction, broadcast_buffers, compression, timeout = Setting(), Setting(), Setting(), Setting()
@@ -276,8 +277,7 @@ class DistributedDataParallel(TorchSurface, TorchDDP):  # type: ignore[override,
         """Raise ``ReplicaMismatchError`` on every rank unless all replicas are bit-identical.
 
         Compares parameters, and buffers too when ``broadcast_buffers=False`` (with it, buffers
-        are rank 0's at every forward and legitimately differ in between).
-        """
+        are rank 0's at every forward and legitimately differ in between)."""
         self._parameters_ready()
         named: list[tuple[str, torch.Tensor]] = list(self._named_parameters())
         if not self.broadcast_buffers:

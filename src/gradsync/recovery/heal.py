@@ -17,8 +17,8 @@ did at the start, and :class:`~gradsync.recovery.Recovery` then, instead of trai
    and ``a``, and all switch at the start of step ``a`` together;
 3. at that boundary the members and the admitted regroup as one new generation (the members
    first, in their order, then the newcomers by ticket), and rank 0 broadcasts what the
-   newcomers lack: parameters and buffers, the optimizer's and the LR scheduler's state, the
-   data position and the step count. The replicas are then checked bit-identical, and
+   newcomers lack: the optimizer's and the LR scheduler's state, the data position and the
+   step count, then the wrapper broadcasts its parameters and buffers as at construction, and
    everybody goes on with step ``a`` at the larger world size.
 
 Members lose nothing while a newcomer starts (its imports, model build and connection happen
@@ -33,11 +33,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from gradsync.errors import GradsyncError
 
-TICKETS, _ADMITTED = "gradsync/join/tickets", "gradsync/join/admitted"
+_TICKETS, _ADMITTED = "gradsync/join/tickets", "gradsync/join/admitted"
 _CLOSED = "gradsync/join/closed"
 
 
@@ -47,7 +46,7 @@ class JoinError(GradsyncError, RuntimeError):
 
 def ask(store: dist.Store) -> int:
     """Take a ticket to join; the job admits tickets in their order."""
-    ticket = int(store.add(TICKETS, 1))
+    ticket = int(store.add(_TICKETS, 1))
     store.set(f"gradsync/join/{ticket}/asked", repr(time.time()))  # for the job's records
     return ticket
 
@@ -59,7 +58,7 @@ def asked(store: dist.Store, tickets: list[int]) -> float:
 
 def waiting(store: dist.Store) -> list[int]:
     """Tickets taken and not yet admitted."""
-    taken, admitted = int(store.add(TICKETS, 0)), int(store.add(_ADMITTED, 0))
+    taken, admitted = int(store.add(_TICKETS, 0)), int(store.add(_ADMITTED, 0))
     return list(range(admitted + 1, taken + 1))
 
 
@@ -98,25 +97,12 @@ def wait_for_admission(store: dist.Store, ticket: int, timeout: float) -> dict[s
 
 
 def transfer_state(
-    module: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, small: dict[str, Any],
-    receive: bool,
-) -> dict[str, Any]:  # fmt: skip
-    """Rank 0's training state, onto every rank of the default group: the module's parameters
-    and buffers in one broadcast per dtype, then the optimizer's and the scheduler's state and
-    ``small`` (the data position, the step count) pickled; loaded where ``receive`` (members
-    hold it already). Returns rank 0's ``small``."""
-    tensors = [t.detach() for t in [*module.parameters(), *module.buffers()]]
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for t in tensors:
-        by_dtype.setdefault(t.dtype, []).append(t)
-    with torch.no_grad():
-        for group in by_dtype.values():
-            flat = torch.cat([t.reshape(-1) for t in group])
-            dist.broadcast(flat, group_src=0)
-            offset = 0
-            for t in group:
-                t.copy_(flat[offset : offset + t.numel()].view_as(t))
-                offset += t.numel()
+    optimizer: torch.optim.Optimizer, scheduler: Any, small: dict[str, Any], receive: bool
+) -> dict[str, Any]:
+    """Rank 0's optimizer and LR scheduler state and ``small`` (the data position, the step
+    count), pickled onto every rank of the default group; loaded where ``receive`` (members
+    hold them already). Returns rank 0's ``small``. The parameters and buffers go with the
+    wrapper's own broadcast (``model.regroup(from_rank_0=True)``)."""
     sent: list[Any] = [optimizer.state_dict(), scheduler and scheduler.state_dict(), small]
     dist.broadcast_object_list(sent, group_src=0)
     if receive:

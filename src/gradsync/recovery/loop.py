@@ -144,7 +144,7 @@ class Recovery:
         self.events: list[dict[str, Any]] = []  # one record per membership change
         self._pending_log: dict[str, Any] | None = None
         self._offer: dict[str, Any] | None = None  # the admission offered to replacements
-        self._known_tickets, self._next_poll = 0, 0.0
+        self._next_poll = 0.0  # when rank 0 next looks for replacements' tickets
         watch_for_regroups(self)
         if join:
             self._join(join_timeout)
@@ -249,9 +249,10 @@ class Recovery:
         publish_process(self.store, self._generation_key(), new.rank)
         self._peers = processes(self.store, self._generation_key(), new.world_size)
 
-    def _continue_on_the_new_group(self) -> None:
-        """The wrapper, the checkpointer and the sampler, over the new default group."""
-        self.model.regroup()
+    def _continue_on_the_new_group(self, from_rank_0: bool = False) -> None:
+        """The wrapper (its replicas checked equal, or made rank 0's), the checkpointer and
+        the sampler, over the new default group."""
+        self.model.regroup(from_rank_0)
         if self.checkpointer is not None:
             self.checkpointer.regroup()
         self.sampler.reshard(self.membership.world_size, self.membership.rank)
@@ -279,14 +280,11 @@ class Recovery:
         """At a step's start: offer waiting replacements a step, or admit them at it."""
         scope, me, every = self._generation_key(), self.membership, ADMIT_EVERY
         if me.rank == 0 and self._offer is None and time.monotonic() > self._next_poll:
-            self._next_poll = time.monotonic() + 1.0  # one store read a second
-            taken = int(self.store.add(heal.TICKETS, 0))
-            if taken > self._known_tickets:
-                self._known_tickets = taken
-                tickets = heal.waiting(self.store)
-                if tickets:  # members look every `every` steps: all have seen it by then
-                    at = (self.completed // every + 2) * every
-                    heal.offer(self.store, scope, at, tickets)
+            self._next_poll = time.monotonic() + 1.0  # two store reads a second
+            tickets = heal.waiting(self.store)
+            if tickets:  # members look every `every` steps: all have seen it by then
+                at = (self.completed // every + 2) * every
+                heal.offer(self.store, scope, at, tickets)
         if self._offer is None and self.completed % every == 0:
             self._offer = heal.offered(self.store, scope)  # one store read per `every` steps
         if self._offer is None or self._offer["step"] != self.completed:
@@ -316,13 +314,11 @@ class Recovery:
     def _take_state(self, receive: bool) -> None:
         """Rank 0's training state onto every rank (``receive``: load it here), then go on."""
         small: dict[str, Any] = {"completed": self.completed, "sampler": self.sampler.state_dict()}
-        small = heal.transfer_state(
-            self.model.module, self.optimizer, self.lr_scheduler, small, receive
-        )
+        small = heal.transfer_state(self.optimizer, self.lr_scheduler, small, receive)
         if receive:
             self.completed = small["completed"]
             self.sampler.load_state_dict(small["sampler"])
-        self._continue_on_the_new_group()
+        self._continue_on_the_new_group(from_rank_0=True)
 
     def _check_can_go_on(self, new: Membership, target: int, lost: dict[int, Any]) -> None:
         why = None
