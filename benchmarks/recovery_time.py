@@ -100,7 +100,7 @@ def _per_step(rank: int, world: int, rounds: int) -> dict:
     if rank == 0:  # the two additions, alone
         undo = UndoLog(opt)
         for name, fn in {
-            "StepStart.take": lambda: StepStart.take(0, ddp.module, opt, sched, sampler),
+            "StepStart.take": lambda: StepStart.take(ddp.module, opt, sched, sampler),
             "UndoLog copy (parameters + AdamW state)": lambda: undo._before_step(),
         }.items():
             samples = []

@@ -105,7 +105,7 @@ def test_the_step_start_puts_back_the_schedule_the_rates_buffers_and_position() 
     layer.register_buffer("count", torch.zeros(1))
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
     sampler = GlobalBatchSampler(range(20), 4, num_replicas=1, rank=0)
-    start = StepStart.take(0, layer, opt, sched, sampler)
+    start = StepStart.take(layer, opt, sched, sampler)
     sampler.step = 3
     layer.count += 1
     sched.step()

@@ -185,9 +185,7 @@ class Recovery:
     # -- the step's bookkeeping -----------------------------------------------------------------
     def _begin(self, step: Step) -> None:
         step.entered = True
-        start = StepStart.take(
-            step.number, self.model.module, self.optimizer, self.lr_scheduler, self.sampler
-        )
+        start = StepStart.take(self.model.module, self.optimizer, self.lr_scheduler, self.sampler)
         self._starts = {n: s for n, s in self._starts.items() if n == step.number - 1}
         self._starts[step.number] = start
         self.undo.step = step.number

@@ -25,7 +25,7 @@ left.
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -36,25 +36,22 @@ from gradsync.recovery.membership import NoRecoveryError
 
 @dataclass
 class StepStart:
-    """The small state at the start of step ``number`` (steps completed before it)."""
+    """The small state at the start of a step."""
 
-    number: int
     position: dict[str, int]  # the sampler's state_dict
     scheduler: dict[str, Any] | None
     hyperparameters: list[dict[str, Any]]  # the optimizer's param_groups, without the params
     buffers: list[torch.Tensor]
     rng: torch.Tensor
-    extra: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
     def take(
-        cls, number: int, module: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any,
-        sampler: Any,
-    ) -> StepStart:  # fmt: skip
+        cls, module: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, sampler: Any
+    ) -> StepStart:
         groups = [{k: copy.deepcopy(v) for k, v in g.items() if k != "params"}
                   for g in optimizer.param_groups]  # fmt: skip
         return cls(
-            number, dict(sampler.state_dict()),
+            dict(sampler.state_dict()),
             None if scheduler is None else copy.deepcopy(scheduler.state_dict()), groups,
             [b.detach().clone() for b in module.buffers()], torch.get_rng_state(),
         )  # fmt: skip
