@@ -5,8 +5,8 @@
 FAULT is one of ``sigstop`` (rank 1 stops itself), ``sigkill`` (rank 1 kills itself),
 ``exit`` (rank 1 exits with code 3), ``slow`` (rank 1 sleeps far past the deadline), ``eval``
 (rank 1 switches to eval mode with BatchNorm while the others train) and ``sigkill-inside``
-(rank 1 kills itself during backward, once its gradient reduction has begun: rank 0 is then
-inside the all-reduce with it, and rank 1's arrival record says it got there). The job uses
+(rank 1 kills itself at the first gradient of its backward, once its gradient reduction has
+begun: rank 0 is then inside the reduction with it, and rank 1's arrival record says it got there). The job uses
 torch's default process-group timeout (30 minutes), as users' jobs do: only gradsync's
 ``timeout`` may end it. Rank 0 prints ``ELAPSED <seconds>`` from the fault to its error, and
 ignores torchrun's SIGTERM so that it is not killed before it has printed.
@@ -80,9 +80,11 @@ def misbehave(fault: str, ddp: gradsync.DistributedDataParallel) -> None:
     elif fault == "eval":
         ddp.eval()
     elif fault == "sigkill-inside":
-        # Runs after gradsync's own hook on this parameter, the last to get its gradient.
-        first = ddp.module[0].weight
-        first.register_post_accumulate_grad_hook(lambda _: _kill_once_recorded())
+        # At the step's first gradient, after gradsync's own hook on that parameter has begun the
+        # reduction (and written the record). Not at the last gradient: the all-reduce could then
+        # finish with rank 0 before the kill, and rank 0 would wait for rank 1 one step later.
+        for p in ddp.module.parameters():
+            p.register_post_accumulate_grad_hook(lambda _: _kill_once_recorded())
 
 
 def _kill_once_recorded() -> None:
