@@ -12,9 +12,11 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 .PHONY: train train-resize train-3d test lint docs
+# TRAIN_ARGS="--deterministic 4 --dtype float32": the deterministic mode, checked bit for bit.
+TRAIN_ARGS ?=
 train: $(VENV)/.installed
 	$(VENV)/bin/torchrun --standalone --nproc-per-node $(NPROC) examples/train_gpt.py \
-		--timeline runs/gpt/timeline.png
+		--timeline runs/gpt/timeline.png $(TRAIN_ARGS)
 
 # The world size changes mid-run: 3 ranks train to step 20 and stop (a node lost), 2 ranks
 # resume from the checkpoint; the end is checked against 1 process, as in `make train`.

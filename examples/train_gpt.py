@@ -29,11 +29,18 @@ With ``--global-batches`` every step is the same global batch at any world size
 (``gradsync.data.GlobalBatchSampler``, ``reduction="item_mean"``), so a checkpoint continues on
 another number of ranks: ``make train-resize`` trains to ``--stop-at`` on 3 ranks, as if a node
 were then lost, resumes on 2, and checks the end against one process as usual.
+
+With ``--deterministic LEAF`` (gradsync's deterministic mode, docs/deterministic.md) each global
+batch is cut into leaves of LEAF sequences, each with its own backward, summed in one fixed tree
+whatever the world size: the job then checks that its parameters are *the same bits* as one
+process computing every leaf's gradient and adding them up the same tree
+(``gradsync.comm.tree.naive_tree_sum``), at any number of ranks and in float32 too.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import json
 import math
@@ -52,6 +59,7 @@ from tqdm import tqdm
 
 import gradsync
 from gradsync.checkpoint import Checkpointer, load_checkpoint, save_checkpoint
+from gradsync.comm.tree import naive_tree_sum
 from gradsync.data import DistributedSampler, GlobalBatchSampler
 from gradsync.ddp.plan import parse_cap
 from gradsync.testing.corpus import CharDataset, generate_corpus
@@ -119,6 +127,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument(
         "--stop-at", type=int, default=0, help="save at this step and exit, as a lost node would"
+    )
+    p.add_argument(
+        "--deterministic",
+        type=int,
+        default=0,
+        metavar="LEAF",
+        help="the deterministic mode with leaves of LEAF sequences: the same bits at any N",
     )
     p.add_argument("--tolerance", type=float, default=None, help="PASS threshold")
     p.add_argument("--no-reference", action="store_true", help="skip the 1-process comparison")
@@ -189,7 +204,7 @@ def clip(params, args: argparse.Namespace) -> None:  # type: ignore[no-untyped-d
 def global_batches(dataset: CharDataset, world: int, per_rank: int, args: argparse.Namespace):  # type: ignore[no-untyped-def]
     """The sample indices of every global batch, rebuilt from every rank's sampler."""
     epochs, max_steps = args.epochs, args.max_steps
-    if args.global_batches:  # the same at any world size: one "rank" takes each whole
+    if args.global_batches or args.deterministic:  # the same at any world size
         one = GlobalBatchSampler(dataset, args.global_batch, num_replicas=1, rank=0,
                                  seed=args.seed, drop_last=True)  # fmt: skip
         steps = []
@@ -223,6 +238,9 @@ def train_reference(
     model.load_state_dict(init_state)
     opt = make_optimizer(model.parameters(), args.lr)
     batches = global_batches(dataset, world, per_rank, args)
+    if args.deterministic:
+        train_leaf_tree(model, opt, dataset, batches, args)
+        return model, evaluate(model, dataset, args.eval_sequences)
     for step, indices in enumerate(tqdm(batches, desc="1-process reference", leave=False)):
         x, y = (torch.stack(t) for t in zip(*[dataset[i] for i in indices], strict=True))
         set_lr(opt, args, step, len(batches))
@@ -232,6 +250,31 @@ def train_reference(
         clip(model.parameters(), args)
         opt.step()
     return model, evaluate(model, dataset, args.eval_sequences)
+
+
+def train_leaf_tree(
+    model: GPT, opt: torch.optim.Optimizer, dataset: CharDataset, batches: list, args: Any
+) -> None:
+    """The deterministic mode's definition, in one process: each step, every leaf's gradient
+    by its own backward, added up the fixed tree over the leaves, divided once by the items."""
+    params = list(model.parameters())
+    for step, indices in enumerate(tqdm(batches, desc="1-process leaf tree", leave=False)):
+        size = args.deterministic  # leaf i: sequences [i size, (i + 1) size) of the batch
+        leaves = [indices[i : i + size] for i in range(0, len(indices), size)]
+        grads: list[list[torch.Tensor | None]] = [[] for _ in params]
+        for leaf in leaves:
+            x, y = (torch.stack(t) for t in zip(*[dataset[i] for i in leaf], strict=True))
+            model.zero_grad(set_to_none=True)
+            (lm_loss(model(x), y) * len(leaf)).backward()
+            for g, p in zip(grads, params, strict=True):
+                g.append(p.grad)
+        summed = [naive_tree_sum(g) for g in grads]
+        torch._foreach_div_(summed, float(len(indices)))  # as the wrapper divides, once
+        for p, g in zip(params, summed, strict=True):
+            p.grad = g
+        set_lr(opt, args, step, len(batches))
+        clip(params, args)
+        opt.step()
 
 
 @torch.no_grad()
@@ -244,6 +287,19 @@ def evaluate(model: torch.nn.Module, dataset: CharDataset, sequences: int) -> fl
         x, y = torch.stack([p[0] for p in pairs]), torch.stack([p[1] for p in pairs])
         total += lm_loss(model(x), y).item() * len(pairs)
     return total / n
+
+
+def steps_of(loader: DataLoader, sampler: Any, args: argparse.Namespace) -> Iterator[list]:
+    """Each step's micro-batches: one per step, or with ``--deterministic`` this rank's leaves."""
+    if not args.deterministic:
+        yield from ([batch] for batch in loader)
+        return
+    step: list = []
+    for batch, last in sampler.mark_step_ends(loader):
+        step.append(batch)
+        if last:
+            yield step
+            step = []
 
 
 def report_timeline(
@@ -291,16 +347,23 @@ def main(argv: list[str] | None = None) -> int:
 
     dataset = CharDataset(generate_corpus(args.sentences), args.block_size)
     sampler: DistributedSampler | GlobalBatchSampler
-    if args.global_batches:  # this rank's share of each global batch, one micro-batch a step
+    if args.deterministic:  # this rank's leaves of each global batch
+        sampler = GlobalBatchSampler(
+            dataset, args.global_batch, args.deterministic, seed=args.seed, drop_last=True,
+            deterministic=True,
+        )  # fmt: skip
+    elif args.global_batches:  # this rank's share of each global batch, one micro-batch a step
         sampler = GlobalBatchSampler(dataset, args.global_batch, seed=args.seed, drop_last=True)
     else:
         sampler = DistributedSampler(dataset, world, rank, seed=args.seed, drop_last=True)
-    batches = LastBatch(sampler if args.global_batches else BatchSampler(sampler, per_rank, True))
+    by_global_batch = args.global_batches or args.deterministic
+    batches = LastBatch(sampler if by_global_batch else BatchSampler(sampler, per_rank, True))
     loader = DataLoader(dataset, batch_sampler=batches)  # in this process: batches.last is x's
     model = make_model(dataset.vocab_size, args.block_size, args.dtype, args.seed)
     ddp = gradsync.DistributedDataParallel(
         model, bucket_cap_mb=args.bucket_cap_mb, compression=make_compression(args),
-        reduction="item_mean" if args.global_batches else "mean",
+        reduction="item_mean" if by_global_batch else "mean",
+        deterministic=sampler.leaves_per_step if args.deterministic else None,
     )  # fmt: skip
     if args.compression == "torch-powersgd":  # torch's hook counts from 2 exact steps at least
         start = max(2, args.powersgd_start_iter)
@@ -322,7 +385,8 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"gradsync: {world} rank(s), {n_params / 1e6:.2f}M parameters, {ddp.num_buckets} "
             f"bucket(s), global batch {args.global_batch} x {args.block_size} tokens, "
-            f"{len(batches)} steps/epoch, compression {args.compression}"
+            f"{len(batches)} micro-batches/epoch, compression {args.compression}"
+            + (f", deterministic ({ddp.deterministic} leaves)" if args.deterministic else "")
             + (f"; resumed at step {step}" if step else "")
         )
 
@@ -332,17 +396,19 @@ def main(argv: list[str] | None = None) -> int:
     curve: dict[int, float] = {}  # step -> loss (mean over ranks), every 10 steps
     for epoch in range(sampler.epoch, args.epochs):  # a resumed sampler knows its epoch
         sampler.set_epoch(epoch)  # a new shuffle every epoch, the same on every rank
-        for x, y in loader:  # after a resume: the rest of the epoch
+        for micro_batches in steps_of(loader, sampler, args):  # after a resume: the rest
             if step == total:
                 break
             set_lr(opt, args, step, total)
             opt.zero_grad()
-            loss = lm_loss(ddp(x), y)
-            if args.global_batches:  # shares may differ: item_mean divides by the step's total
-                ddp.count_items(len(x))
-                (loss * len(x)).backward()
-            else:
-                loss.backward()  # gradients are averaged over ranks by the time this returns
+            for i, (x, y) in enumerate(micro_batches):  # one, except with leaves
+                with ddp.no_sync() if i < len(micro_batches) - 1 else contextlib.nullcontext():
+                    loss = lm_loss(ddp(x), y)
+                    if by_global_batch:  # shares differ: item_mean divides by the step's total
+                        ddp.count_items(len(x))
+                        (loss * len(x)).backward()
+                    else:
+                        loss.backward()  # gradients are averaged over ranks when this returns
             clip(ddp.parameters(), args)
             opt.step()
             if log:  # one flushed write per line: ranks sharing the file never mix lines
@@ -411,6 +477,14 @@ def compare(
         f"final loss {loss:.6f} (N={world}, {args.compression}) vs {reference_loss:.6f} "
         "(1 process, exact)"
     )
+    if args.deterministic:
+        ok = diff == 0.0
+        print(
+            f"parameters of N={world} ranks vs 1 process adding the same leaves up the same "
+            f"tree ({args.dtype}): {'bitwise identical' if ok else f'differ by {diff:.3g}'}: "
+            f"{'PASS' if ok else 'FAIL'}"
+        )
+        return 0 if ok else 1
     if args.compression != "none":
         print(f"max |param(N={world} ranks) - param(1 process)| = {diff:.3g} (not judged)")
         # A lossy wire format changes every step's update: parameters drift apart by far more

@@ -53,13 +53,17 @@ def _optimizer(params) -> tuple[torch.optim.Optimizer, object]:  # type: ignore[
     return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1.0 + 0.3 * s))
 
 
-def _train(rank: int, world: int, deaths: dict, folder: str | None = None) -> dict:
+def _train(
+    rank: int, world: int, deaths: dict, folder: str | None = None, leaves: bool = False
+) -> dict:
     data = _data()
+    sampler = GlobalBatchSampler(data, GLOBAL_BATCH, MICRO, shuffle=True, seed=5,
+                                 deterministic=leaves)  # fmt: skip
     ddp = gradsync.DistributedDataParallel(
-        _model(), reduction="item_mean", bucket_cap_mb=0, timeout=10.0
-    )
+        _model(), reduction="item_mean", bucket_cap_mb=0, timeout=10.0,
+        deterministic=sampler.leaves_per_step if leaves else None,
+    )  # fmt: skip
     opt, sched = _optimizer(ddp.parameters())
-    sampler = GlobalBatchSampler(data, GLOBAL_BATCH, MICRO, shuffle=True, seed=5)
     ckpt = None
     if folder is not None:
         ckpt = Checkpointer(folder, model=ddp, optimizer=opt, lr_scheduler=sched, keep=None)
@@ -144,6 +148,18 @@ def test_survivors_redo_the_step_and_end_equal_to_one_process() -> None:
     for step in range(redone[-1], STEPS):
         got = sorted(i for r in survivors for _, idx in results[r]["used"][step] for i in idx)
         assert got == sorted(batches[step]), step
+
+
+@pytest.mark.timeout(240)
+def test_in_the_deterministic_mode_the_survivors_end_with_the_bits_of_one_process() -> None:
+    # 6 leaves per step over 5 ranks, then 4, 3 and 2: the same bits as 1 rank throughout.
+    results = spawn(_train, WORLD, (DEATHS, None, True), fresh=True, return_failures=True,
+                    timeout_s=150)  # fmt: skip
+    survivors = _check_survivors(results, DEATHS)
+    alone = spawn(_train, 1, ({}, None, True), timeout_s=150)[0]["params"]
+    for r in survivors:
+        for name, p in results[r]["params"].items():
+            assert torch.equal(p, alone[name]), (r, name)
 
 
 @pytest.mark.timeout(180)

@@ -22,7 +22,7 @@ from gradsync.ddp.compat import torch_args, torch_surface
 
 GRADSYNC_OWN = [
     "first_bucket_cap_mb", "reduction", "algorithm", "compression", "timeout", "check_finite",
-    "check_replicas_every", "main_grad_dtype", "straggler_every",
+    "check_replicas_every", "main_grad_dtype", "straggler_every", "deterministic",
 ]  # fmt: skip
 
 

@@ -95,10 +95,13 @@ def add_arguments(
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
 
 
-def run_workers(script: str, args: argparse.Namespace, tag: str) -> tuple[dict[str, Any], str]:
-    """Start ``script --worker`` with the shared flags where ``args`` say; rank 0's JSON line
-    after ``tag``, and a phrase saying where it ran."""
-    argv = [script, "--worker", "--rounds", str(args.rounds), "--steps", str(args.steps)]
+def run_workers(
+    script: str, args: argparse.Namespace, tag: str, extra: list[str] | None = None
+) -> tuple[dict[str, Any], str]:
+    """Start ``script --worker`` with the shared flags where ``args`` say (and the script's own
+    ``extra`` flags); rank 0's JSON line after ``tag``, and a phrase saying where it ran."""
+    argv = [script, "--worker", *(extra or []), "--rounds", str(args.rounds)]
+    argv += ["--steps", str(args.steps)]
     argv += ["--warmup", str(args.warmup), "--batch", str(args.batch)]
     argv += ["--n-layer", str(args.n_layer), "--n-embd", str(args.n_embd)]
     if args.cluster:

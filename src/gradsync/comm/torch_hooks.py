@@ -202,11 +202,11 @@ class WrapperFacts(NamedTuple):
     forward_ran: bool  # a forward ran through it
     sharded: bool  # shard_optimizer() was called
     auto: bool  # bucket_cap_mb="auto"
+    deterministic: bool = False  # deterministic=
 
 
 def check_registration(hook: Callable[..., Any], wrapper: WrapperFacts) -> None:
-    """Refuse, on this rank, a registration that torch DDP would refuse or that would mix
-    with another of the wrapper's choices."""
+    """Refuse on this rank a registration torch DDP refuses, or one at odds with the wrapper."""
     compression, algorithm = wrapper.compression, wrapper.algorithm
     if not callable(hook):
         raise UsageError(f"register_comm_hook needs a callable hook, got {hook!r}")
@@ -223,10 +223,11 @@ def check_registration(hook: Callable[..., Any], wrapper: WrapperFacts) -> None:
             f"compression=None and algorithm='native' (got compression={compression}, "
             f"algorithm={algorithm!r})"
         )
-    if wrapper.sharded:  # shard_optimizer() refuses the reverse order
-        raise UsageError("register_comm_hook cannot be combined with shard_optimizer()")
-    if wrapper.auto:  # its state may be per bucket (PowerSGD's is)
-        raise UsageError("register_comm_hook cannot be combined with bucket_cap_mb='auto'")
+    # ZeRO-1 refuses the reverse order; "auto" replans buckets whose hook state may be per
+    # bucket (PowerSGD's); deterministic= fixes the order of the sums that a hook would choose.
+    other = {"shard_optimizer()": wrapper.sharded, "bucket_cap_mb='auto'": wrapper.auto}
+    for what in (n for n, on in {**other, "deterministic=": wrapper.deterministic}.items() if on):
+        raise UsageError(f"register_comm_hook cannot be combined with {what}")
 
 
 # -- the hook's process group: see [Note: the hook's process group] -------------------------------

@@ -28,6 +28,12 @@ global batch only when every rank holds the same number of samples (``shares_are
 accumulation, also only when ``micro_batch_size`` divides the share); the sampler warns at
 construction when some step's shares differ.
 
+With ``deterministic=True`` (the wrapper's deterministic mode, [Note: the fixed leaf tree] in
+``comm/tree.py``) the global batch is cut into *leaves* of ``micro_batch_size`` samples first,
+``leaves_per_step`` of them, the same at every N; rank ``r`` takes its contiguous block of them
+(``gradsync.data.leaf_range``) as its micro-batches, so ranks run different numbers of them when
+N does not divide the leaves. A short last global batch has fewer leaves, the first ones.
+
 Randomness drawn per rank does not follow the samples: a rank's generator stream (dropout in the
 model, an augmentation drawing from torch's global generator, DataLoader worker seeds) is
 consumed by whatever samples land on that rank, and that changes with N. Data-side randomness
@@ -53,6 +59,7 @@ import torch
 import torch.distributed as dist
 import torch.utils.data
 
+from gradsync.comm.tree import leaf_range
 from gradsync.errors import CheckpointError, UsageError
 
 T = TypeVar("T")
@@ -125,8 +132,15 @@ class GlobalBatchSampler(torch.utils.data.Sampler[list[int]]):
         shuffle: bool = True,
         seed: int = 0,
         drop_last: bool = False,
+        deterministic: bool = False,
     ) -> None:
         super().__init__()
+        if deterministic and micro_batch_size is None:
+            raise UsageError(
+                "GlobalBatchSampler(deterministic=True) needs micro_batch_size: the size of a "
+                "leaf, the same at every world size"
+            )
+        self.deterministic = deterministic
         self.num_replicas, self.rank = _replicas(num_replicas, rank)
         self.global_batch_size = _positive("global_batch_size", global_batch_size)
         if global_batch_size < self.num_replicas:
@@ -148,13 +162,39 @@ class GlobalBatchSampler(torch.utils.data.Sampler[list[int]]):
                 f"a dataset of {self.dataset_length} samples has no global batch of "
                 f"global_batch_size={global_batch_size} with drop_last={drop_last}"
             )
+        if deterministic:
+            self._check_leaves(self.num_replicas)
         self.epoch = 0
         self.step = 0  # global steps of ``self.epoch`` whose micro-batches were all handed out
         self._resume_at = 0  # the step the next iteration starts at (set by load_state_dict)
         self._on_resume: Callable[[], None] | None = None
         self._warn_if_shares_differ()
 
+    @property
+    def leaves_per_step(self) -> int:
+        """The leaves of a full step with ``deterministic=True``: ``ceil(global_batch_size /
+        micro_batch_size)``, the same at every world size; pass it to the wrapper's
+        ``deterministic=``."""
+        return -(-self.global_batch_size // self.micro_batch_size)
+
+    def _check_leaves(self, num_replicas: int) -> None:
+        if self.leaves_per_step < num_replicas:
+            raise UsageError(
+                f"deterministic=True: {self.leaves_per_step} leaves per step (global_batch_size="
+                f"{self.global_batch_size}, micro_batch_size={self.micro_batch_size}) cannot give "
+                f"each of num_replicas={num_replicas} ranks one; use smaller micro-batches"
+            )
+
+    def _my_leaves(self, length: int) -> range:
+        """This rank's leaves of a global batch of ``length`` samples (``deterministic``): its
+        block of a full step's leaves, cut at the batch's last leaf."""
+        block = leaf_range(self.leaves_per_step, self.num_replicas, self.rank)
+        present = -(-length // self.micro_batch_size)
+        return range(block.start, max(block.start, min(block.stop, present)))
+
     def _warn_if_shares_differ(self) -> None:
+        if self.deterministic:  # "mean" averages leaves: see gradsync/ddp/deterministic.py
+            return
         lengths = {self._batch_length(0), self._batch_length(self.steps_per_epoch - 1)}
         uneven = sorted(n for n in lengths if n % self.num_replicas)
         if uneven:
@@ -183,6 +223,8 @@ class GlobalBatchSampler(torch.utils.data.Sampler[list[int]]):
 
     def _micro_count(self, length: int) -> int:
         """This rank's micro-batches for a global batch of ``length`` samples."""
+        if self.deterministic:
+            return len(self._my_leaves(length))
         start, stop = _split(length, self.num_replicas, self.rank)
         largest_share = -(-length // self.num_replicas)
         return min(-(-largest_share // self.micro_batch_size), stop - start)
@@ -215,6 +257,12 @@ class GlobalBatchSampler(torch.utils.data.Sampler[list[int]]):
 
     def _micro_batches(self, order: list[int], step: int) -> list[list[int]]:
         length = self._batch_length(step)
+        if self.deterministic:  # leaf i: samples [i m, (i + 1) m) of the global batch
+            first, m = step * self.global_batch_size, self.micro_batch_size
+            return [
+                order[first + i * m : first + min((i + 1) * m, length)]
+                for i in self._my_leaves(length)
+            ]
         start, stop = _split(length, self.num_replicas, self.rank)
         first = step * self.global_batch_size
         share = order[first + start : first + stop]
@@ -238,7 +286,9 @@ class GlobalBatchSampler(torch.utils.data.Sampler[list[int]]):
                 f"global_batch_size={self.global_batch_size} is smaller than "
                 f"num_replicas={num_replicas}: every rank needs a share of every step"
             )
-        if self._whole_shares:  # no accumulation asked for: none at the new size either
+        if self.deterministic:
+            self._check_leaves(num_replicas)
+        elif self._whole_shares:  # no accumulation asked for: none at the new size either
             self.micro_batch_size = -(-self.global_batch_size // num_replicas)
         self.num_replicas, self.rank = num_replicas, rank
 
@@ -291,8 +341,11 @@ class GlobalBatchSampler(torch.utils.data.Sampler[list[int]]):
 
     def state_dict(self) -> dict[str, int]:
         """The epoch, the global steps completed in it, and the settings that define the global
-        batches: nothing that depends on the world size or the rank."""
+        batches (and, with ``deterministic``, the leaves): nothing that depends on the world
+        size or the rank."""
+        leaves = {"leaf_size": self.micro_batch_size} if self.deterministic else {}
         return {
+            **leaves,
             "epoch": self.epoch,
             "step": self.step,
             "seed": self.seed,
@@ -310,8 +363,8 @@ class GlobalBatchSampler(torch.utils.data.Sampler[list[int]]):
                 raise CheckpointError(
                     f"the sampler state has no {key!r}: it is not a GlobalBatchSampler's"
                 )
-        for key in _SETTINGS:
-            if state[key] != mine[key]:
+        for key in (*_SETTINGS, "leaf_size"):
+            if key in mine and state[key] != mine[key]:
                 raise CheckpointError(
                     f"the sampler was saved with {key}={state[key]}, this one has "
                     f"{key}={mine[key]}: the global batches would not be the same"

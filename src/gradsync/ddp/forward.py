@@ -19,7 +19,9 @@ alone.
   6    plan the first step's unused parameters last         training, between steps, outside
                                                             join, once
   7    begin an operation under the deadline                training, when any of 8-11 runs
-  8 *  the join handshake: how many ranks have data         training, inside join
+  8 *  the join handshake: how many ranks have data         training, inside join (with
+                                                            deterministic=: synchronised,
+                                                            after 10)
   9 *  compare the first batches (a fingerprint)            the first training forward
  10 *  compare the replicas' checksums                      every check_replicas_every steps
  11 *  broadcast rank 0's buffers                           training, broadcast_buffers, and
@@ -103,6 +105,7 @@ class ForwardProtocol:
         self.deadline, self.join, self.timeline, self.ops = deadline, join, timeline, ops
         self.inputs_to = inputs_to  # step 1: the replica's device, with device_ids
         self.check_every = options.check_replicas_every
+        self.leaves = options.deterministic is not None  # see [Note: leaves and join]
         self.autotune = AutoBuckets(options.first_bucket_cap_mb) if options.auto else None
         self.unused_last = UnusedLast(options)
         self.replicas_checked_at = 0  # the step of the last check_replicas_every check
@@ -207,8 +210,8 @@ class ForwardProtocol:
         if not training or not (broadcast or joining or check_due or first):
             return None
         self.deadline.begin(f"a training forward of step {steps}")  # 7
-        num_active = None
-        if joining:  # 8
+        num_active, leaves = None, self.leaves
+        if joining and not leaves:  # 8
             num_active = self.join.active_round(sync, broadcast)
         if first:  # 9
             self._first_batch_checked = True
@@ -216,6 +219,8 @@ class ForwardProtocol:
         if check_due:  # 10
             self.replicas_checked_at = steps
             self.ops.check_replicas()
+        if joining and leaves and sync:  # 8, deterministic mode: see [Note: leaves and join]
+            num_active = self.join.active_round(sync, broadcast)
         if broadcast:  # 11
             self.ops.broadcast_buffers()
         return num_active

@@ -17,6 +17,7 @@ import torch
 
 from gradsync.comm import AllReduceAlgorithm, PowerSGD, get_algorithm
 from gradsync.comm.formats import Compression, describe_compression, describe_compression_state
+from gradsync.ddp.deterministic import deterministic_settings, refuse_in_deterministic_mode
 from gradsync.ddp.plan import SCALED, check_cap
 from gradsync.ddp.reduction import check_reduction
 from gradsync.errors import UsageError
@@ -89,6 +90,13 @@ class SyncOptions:
     phase (logger ``gradsync.stragglers``); ``0`` turns the step timeline off (nothing is
     measured or carried). See [Note: naming a straggler] in ``timing/attribution.py``."""
 
+    deterministic: int | None = None
+    """The deterministic mode: the number of *leaves* (micro-batches of a fixed size, each with
+    its own backward) in a full step, summed in one fixed order whatever the world size, so that
+    the parameters are the same bits at any N ([Note: the fixed leaf tree] in
+    ``comm/tree.py``); ``None``: off. Take it from ``GlobalBatchSampler(...,
+    deterministic=True).leaves_per_step``. See ``deterministic.py`` for what it requires."""
+
     def __post_init__(self) -> None:
         # A refusal here is a UsageError naming the setting; the wrapper raises it on every rank.
         check_reduction(self.reduction)
@@ -104,6 +112,9 @@ class SyncOptions:
         check_cap(self.bucket_cap_mb)
         if self.bucket_cap_mb is None:  # torch DDP's None: the default cap
             object.__setattr__(self, "bucket_cap_mb", SCALED)
+        refuse_in_deterministic_mode(
+            self.deterministic, self.compression, self.all_reduce.name, self.auto
+        )
         if self.auto and isinstance(self.compression, PowerSGD):
             raise UsageError(
                 "bucket_cap_mb='auto' cannot be combined with compression=PowerSGD: its "
@@ -150,6 +161,8 @@ class SyncOptions:
             "compression state (load it on every rank)": describe_compression_state(
                 self.compression
             ),
+            "deterministic": self.deterministic,
+            **deterministic_settings(self.deterministic),
         }  # fmt: skip
 
 

@@ -15,6 +15,7 @@ import torch
 from torch.utils.hooks import RemovableHandle
 
 from gradsync.comm import CommHook
+from gradsync.comm.tree import leaf_range
 from gradsync.ddp import owners
 from gradsync.ddp.buckets import AccumulatingBucket, Bucket
 from gradsync.ddp.checks import tags
@@ -29,11 +30,12 @@ from gradsync.ddp.checks.verdicts import (
 )
 from gradsync.ddp.compat.torch_reducer import TorchReducerMethods
 from gradsync.ddp.launch import LaunchQueue
+from gradsync.ddp.leaf_buckets import LeafBucket, LeafSteps
 from gradsync.ddp.main_grads import move_main_grads, start_window
 from gradsync.ddp.options import SyncOptions
 from gradsync.ddp.plan import BucketSpec
 from gradsync.ddp.reduction import Reduction
-from gradsync.ddp.tail import TailLayout
+from gradsync.ddp.tail import step_tail
 from gradsync.ddp.window import Phase, StepWindow
 from gradsync.errors import GradsyncError, NonFiniteGradientError, ProtocolError
 from gradsync.failfast.deadline import Deadline
@@ -81,7 +83,7 @@ class Reducer(TorchReducerMethods):
         self.rank = deadline.rank
         self.layouts = list(layouts) or [None] * len(self.params)  # DTensors only
         self.main_grads = options.main_grads  # see [Note: main gradients] in main_grads.py
-        self.tail = self._tail_layout(timeline, len(specs))
+        self.tail = step_tail(self.world_size, self.rank, timeline, len(specs))
         self.buckets = [self._bucket(b, spec) for b, spec in enumerate(specs)]
         if self.buckets:
             self.tail.bind(self.buckets[0].tail)
@@ -91,27 +93,24 @@ class Reducer(TorchReducerMethods):
         self.window = StepWindow(len(self.params), self.world_size)
         self.retired = False  # a newer reducer (a new wrapper's, or a successor) took over
         self.queue = LaunchQueue(self.buckets, comm_hook, self.marks, options.check_finite)
+        self.leaf_steps = LeafSteps.of(self.buckets, comm_hook, deadline)  # deterministic mode
         self.num_reductions = 0  # completed synchronised backward passes, for tests and logs
         # Parameters the first reduction found unused on some rank (see unused_last.py).
         self.first_unused: tuple[int, ...] | None = None
         self._hooks = self._take_over_parameters()
 
     def _bucket(self, b: int, spec: BucketSpec) -> Bucket:
+        options = self.options
+        params = [self.params[i] for i in spec.param_indices]
+        tail_numel = self.tail.numel if b == 0 else 0
+        if options.deterministic is not None:  # [Note: the fixed leaf tree] in comm/tree.py
+            first = leaf_range(options.deterministic, self.world_size, self.rank).start
+            return LeafBucket(spec, params, first, self.main_grads, tail_numel)
         kind = AccumulatingBucket if self.main_grads else Bucket
         return kind(
-            spec, [self.params[i] for i in spec.param_indices],
-            as_view=self.options.gradient_as_bucket_view,
-            tail_numel=self.tail.numel if b == 0 else 0,
+            spec, params, as_view=options.gradient_as_bucket_view, tail_numel=tail_numel,
             layouts=[self.layouts[i] for i in spec.param_indices],
         )  # fmt: skip
-
-    def _tail_layout(self, timeline: StepTimeline, num_buckets: int) -> TailLayout:
-        """What rides in bucket 0 after its used flags: [Note: bucket 0's tail] in tail.py."""
-        tail = TailLayout(self.world_size, self.rank)
-        tail.register(tags.RIDER, tags.NUM_FIELDS)  # [Note: step tags]
-        if timeline.enabled:  # every rank's phases of the last interval (timing/slots.py)
-            tail.register(slots.RIDER, timeline.width(num_buckets))
-        return tail
 
     def _take_over_parameters(self) -> list[RemovableHandle]:
         owners.take_over(self)  # retires the reducer that had them, if any
@@ -132,20 +131,13 @@ class Reducer(TorchReducerMethods):
         comm_hook: CommHook | None = None,
     ) -> Reducer:
         """A reducer of ``old``'s parameters, options, watch and reduction with other buckets
-        (and comm hook, if given); building it retires ``old``. Call it only
-        between optimizer steps. It continues:
-
-        - the step count, so that step tags and checkpoints go on (the same parameter watch);
-        - the window (the same :class:`StepWindow` object), if one is open. Between a
-          reduction and the next training forward no training micro-batch is pending, but an
-          eval-mode forward with grad enabled opens a window (see [Note: eval forwards keep
-          main gradients] in ``main_grads.py``), and under ``no_sync()`` its backward's
-          gradients wait for the next synchronised step. The
-          new reducer takes over which parameters were used (without them a parameter that
-          only the eval backward reached counts as unused everywhere, and each rank keeps its
-          own ``.grad``) and, with main gradients, the gradients themselves;
-        - else, with main gradients, every ``p.main_grad``, moved to its new slot.
-        """
+        (and comm hook, if given); building it retires ``old``. Only between optimizer steps.
+        It continues the step count (the same watch: step tags and checkpoints go on) and an
+        open window, the same object: an eval-mode forward with grad enabled opens one ([Note:
+        eval forwards keep main gradients] in ``main_grads.py``), whose used parameters (else
+        one only its backward reached would count as unused everywhere) and, with main
+        gradients, gradients it takes over; else, with main gradients, every ``p.main_grad``,
+        moved to its new slot."""
         new = cls(
             old.watch, specs, old.options, deadline=old.deadline,
             comm_hook=old.comm_hook if comm_hook is None else comm_hook,
@@ -206,7 +198,8 @@ class Reducer(TorchReducerMethods):
         wrapper has refused a forward the reducer cannot take (step 4 of [Note: the forward
         protocol] in ``forward.py``)."""
         window = self.window
-        if self.main_grads and window.phase is Phase.UNPREPARED:  # a new accumulation window
+        owned = self.main_grads or self.leaf_steps.on  # the buckets own the gradients
+        if owned and window.phase is Phase.UNPREPARED:  # a new accumulation window
             start_window(self.buckets, training)  # an eval forward keeps main_grad: see there
         active = self.world_size if num_active is None else num_active
         window.begin_forward(sync, training, active, by_world, self.watch.changes())
@@ -242,6 +235,7 @@ class Reducer(TorchReducerMethods):
         elif phase is Phase.ACCUMULATING:
             if window.backward_began():  # the first gradient: decide() no longer changes it
                 self.marks.backward_began()  # under no_sync: its end is marked by a callback
+                self.leaf_steps.end_leaf_with_backward()  # deterministic mode: a leaf ends
             self.buckets[b].accumulate(slot)  # main gradients add up in the bucket
             return
         elif phase is Phase.UNPREPARED:
@@ -256,6 +250,7 @@ class Reducer(TorchReducerMethods):
         self.window.start_reduction()
         self.queue.scale = self._pre_division()
         self.deadline.begin(f"the gradient reduction of step {self.num_reductions}")
+        self.leaf_steps.begin_reduction(contributes=True)
         self._write_tail(contributes=True)
         self.reduction.start_item_exchange(contributes=True)
         # Runs once the whole backward pass has finished, on the engine's thread.
@@ -302,6 +297,7 @@ class Reducer(TorchReducerMethods):
         """
         self.window.shadow(num_active, by_world, self.watch.changes())
         self.deadline.begin(f"a join round (step {self.num_reductions}, out of data)")
+        self.leaf_steps.begin_reduction(contributes=False)
         self._write_tail(contributes=False)
         self.reduction.start_item_exchange(contributes=False)
         self._complete(shadow=True, write_back=write_back)
@@ -326,7 +322,8 @@ class Reducer(TorchReducerMethods):
                     self.comm_hook.discard_step()  # the step is skipped: so is its hook state
                     raise
             self.timeline.received(readout.timings, self.num_reductions)
-            self.reduction.post_divide([b.grads for b in self.buckets], readout.total_items)
+            grads, leaves = [b.grads for b in self.buckets], self.leaf_steps.total()
+            self.reduction.post_divide(grads, readout.total_items, leaves)
             if self.first_unused is None and self.options.tolerates_unused:
                 active = self.window.num_active
                 self.first_unused = unused_somewhere(self.specs, readout.counts, active)
@@ -347,7 +344,7 @@ class Reducer(TorchReducerMethods):
             deadline=self.deadline, specs=self.specs, names=self.names, used=window.used,
             num_active=window.num_active, num_reductions=self.num_reductions, watch=self.watch,
             changes=window.changes,
-            compare_windows=not self.reduction.counts_items,  # see tags.find_desync
+            compare_windows=not self.reduction.counts_items and not self.leaf_steps.on,  # tags
             find_unused_parameters=self.options.tolerates_unused,
         )  # fmt: skip
 
@@ -366,6 +363,7 @@ class Reducer(TorchReducerMethods):
             self.deadline.wait_device(done, f"the gradient reduction of {step}")
 
     def _reset(self) -> None:
+        self.leaf_steps.finish()
         self.queue.reset()
         self.reduction.reset()
         self.window = StepWindow(len(self.params), self.world_size)  # the next step's

@@ -173,6 +173,12 @@ def refuse_unsupported(
         # The optimizer's layout follows the buckets, which "auto" replaces after a few steps.
         "bucket_cap_mb='auto'": options.auto,
     }
+    if options.deterministic is not None:
+        raise UsageError(
+            "shard_optimizer() cannot be combined with deterministic=: clipping by the norm "
+            "of the sharded gradients adds per-rank slices, an order that depends on the "
+            "world size; use a replicated optimizer (or MasterWeights)"
+        )
     bad = [name for name, on in settings.items() if on]
     if bad:
         raise UsageError(f"shard_optimizer() does not support {', '.join(bad)} yet")

@@ -30,6 +30,9 @@ from dataclasses import dataclass
 
 import torch
 
+from gradsync.ddp.checks import tags
+from gradsync.timing import StepTimeline, slots
+
 
 @dataclass(frozen=True)
 class Rider:
@@ -112,3 +115,13 @@ class TailLayout:
             ]
             for name, rider in self.riders.items()
         }
+
+
+def step_tail(world_size: int, rank: int, timeline: StepTimeline, num_buckets: int) -> TailLayout:
+    """What rides in bucket 0 after its used flags: every rank's step tag ([Note: step tags])
+    and, with the step timeline on, its phases of the last interval (``timing/slots.py``)."""
+    tail = TailLayout(world_size, rank)
+    tail.register(tags.RIDER, tags.NUM_FIELDS)
+    if timeline.enabled:
+        tail.register(slots.RIDER, timeline.width(num_buckets))
+    return tail

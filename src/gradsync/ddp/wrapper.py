@@ -78,8 +78,8 @@ class DistributedDataParallel(TorchSurface, TorchDDP):  # type: ignore[override,
     and ``compression`` (``None``, ``"bf16"``, ``"fp16"``, ``PowerSGD``); ``timeout`` (past
     it every waiting rank raises ``CollectiveTimeoutError``); ``check_finite``;
     ``check_replicas_every``; ``main_grad_dtype`` (gradients into ``p.main_grad``);
-    ``straggler_every`` (steps per report of :attr:`timeline`, ``0``: off).
-    """
+    ``straggler_every`` (steps per report of :attr:`timeline`, ``0``: off); ``deterministic``
+    (leaves per step: the same bits at any world size, ``ddp/deterministic.py``)."""
 
     _torch_hook: Callable[..., Any] | None = None  # set by register_comm_hook
     _sharded: sharding.ShardedSteps | None = None  # set by shard_optimizer
@@ -99,6 +99,7 @@ class DistributedDataParallel(TorchSurface, TorchDDP):  # type: ignore[override,
         compression: Compression = None, timeout: float | timedelta = 300.0,
         check_finite: bool = False, check_replicas_every: int = 0,
         main_grad_dtype: torch.dtype | None = None, straggler_every: int = 10,
+        deterministic: int | None = None,
     ) -> None:  # fmt: skip
         nn.Module.__init__(self)  # not torch DDP's __init__: it would build torch's C++ reducer
         Joinable.__init__(self)
@@ -126,6 +127,7 @@ class DistributedDataParallel(TorchSurface, TorchDDP):  # type: ignore[override,
                 reduction=reduction, algorithm=algorithm, straggler_every=straggler_every,
                 compression=compression, timeout=self._deadline.timeout, check_finite=check_finite,
                 check_replicas_every=check_replicas_every, main_grad_dtype=main_grad_dtype,
+                deterministic=deterministic,
             )  # fmt: skip
             self._layouts = grad_layouts(self._named_parameters(), process_group)
             check_main_grad_dtype(main_grad_dtype, gradient_as_bucket_view, self._layouts, module)
@@ -151,7 +153,7 @@ class DistributedDataParallel(TorchSurface, TorchDDP):  # type: ignore[override,
         self._buffers_to_sync = [b for _, b in named_buffers]
         watch = ParameterWatch(self.module, self.parameters_to_ignore)
         self.reducer, self.bucket_sizes, self.bucket_cap_mb = first_reducer(
-            watch, self.options, self._deadline, self.timeline, self._layouts, self.module
+            watch, self.options, self._deadline, self.timeline, self._layouts, self.module, axes
         )
         me = weakref.proxy(self)  # no cycle: a dropped wrapper is freed at once, not by the gc
         self._join = JoinProtocol(self._deadline, me, JoinRounds(  # type: ignore[arg-type]
@@ -184,7 +186,7 @@ class DistributedDataParallel(TorchSurface, TorchDDP):  # type: ignore[override,
     # -- the settings, as torch DDP exposes them (read-only: they must agree across ranks) ----
     reduction, broadcast_buffers, compression, timeout = Setting(), Setting(), Setting(), Setting()
     find_unused_parameters, static_graph, gradient_as_bucket_view = Setting(), Setting(), Setting()
-    check_replicas_every, main_grad_dtype = Setting(), Setting()
+    check_replicas_every, main_grad_dtype, deterministic = Setting(), Setting(), Setting()
     forward_sync_buffers, algorithm = Setting("broadcast_buffers"), Setting("all_reduce")
 
     @property
@@ -269,8 +271,7 @@ class DistributedDataParallel(TorchSurface, TorchDDP):  # type: ignore[override,
 
     def count_items(self, num_items: float | torch.Tensor) -> None:
         """Declare how many items (samples, valid tokens) this micro-batch's summed loss covers:
-        with ``reduction="item_mean"`` the gradient is divided by the total over every rank and
-        micro-batch of the step, the exact mean over items (one small all-reduce per step)."""
+        ``reduction="item_mean"`` divides by the step's total, the exact mean over items."""
         self.reducer.count_items(num_items)
 
     def check_replicas(self) -> None:
@@ -354,13 +355,13 @@ class DistributedDataParallel(TorchSurface, TorchDDP):  # type: ignore[override,
 
     def register_comm_hook(self, state: object, hook: Callable[..., Any]) -> None:
         """Run torch's DDP communication hook ``hook(state, bucket) -> Future[Tensor]`` on every
-        bucket, as torch DDP's ``register_comm_hook``. On every rank, once, before the first
-        forward; different hooks on different ranks raise ``UsageError`` (``torch_hooks.py``)."""
+        bucket, as torch DDP's; on every rank, once, before the first forward (torch_hooks.py)."""
         facts = torch_hooks.WrapperFacts(
             describe_compression(self.compression), self.algorithm.name,
             registered=self._torch_hook is not None,
             forward_ran=self.lifecycle is not Lifecycle.CONFIGURABLE,
             sharded=self._sharded is not None, auto=self.bucket_tuner is not None,
+            deterministic=self.options.deterministic is not None,
         )  # fmt: skip
         numels = [b.grads.numel() for b in self.reducer.buckets]
         adapter = torch_hooks.register(state, hook, self._deadline, numels, facts)
@@ -388,10 +389,9 @@ class DistributedDataParallel(TorchSurface, TorchDDP):  # type: ignore[override,
 
     # -- checkpoints: the module's (state_dict, in torch_surface.py) and gradsync's own -----
     def sync_state_dict(self) -> dict[str, Any]:
-        """gradsync's own training state (``state_dict()`` stays the module's): the step
-        counter, the last replica check, the bucket plan and the compression's state. Raises
-        ``ProtocolError`` inside an accumulation window or ``join()``: gradients accumulated
-        under ``no_sync()`` are in no checkpoint, so one taken there could not continue."""
+        """gradsync's own training state (``state_dict()`` stays the module's): step counter,
+        last replica check, bucket plan, compression state. ``ProtocolError`` inside an
+        accumulation window or ``join()``: no checkpoint holds the no_sync() gradients."""
         return self._forward.sync_state()
 
     def load_sync_state_dict(self, state: Mapping[str, Any]) -> None:

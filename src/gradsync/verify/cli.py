@@ -149,6 +149,14 @@ def _add_training_arguments(parser: argparse.ArgumentParser, d: VerifyConfig) ->
         help="gradsync bucket cap in MiB; 'none': one bucket; 'scaled' or 'auto' "
         "(default: %(default)s)",
     )
+    parser.add_argument(
+        "--deterministic",
+        type=_count,
+        default=None,
+        metavar="LEAVES",
+        help="verify gradsync's deterministic mode with LEAVES leaves per step against its "
+        "definition (each leaf's backward, the fixed tree), bit for bit",
+    )
 
 
 def config_from_args(args: argparse.Namespace) -> VerifyConfig:
@@ -167,6 +175,7 @@ def config_from_args(args: argparse.Namespace) -> VerifyConfig:
         seed=args.seed,
         inject=args.inject,
         timeout_s=args.timeout_s,
+        deterministic=args.deterministic,
     )
 
 
@@ -209,7 +218,8 @@ def _run_mesh(args: argparse.Namespace) -> int:
 
     d = VerifyConfig()
     custom = [
-        f"--{name}" for name in ("model", "batches", "loss", "inject", "steps_per_epoch")
+        f"--{name}"
+        for name in ("model", "batches", "loss", "inject", "steps_per_epoch", "deterministic")
         if getattr(args, name) != getattr(d, name)
     ]  # fmt: skip
     try:

@@ -17,7 +17,8 @@ def format_report(report: VerifyReport) -> str:
     lines = [
         f"gradsync verify: {n} ranks vs 1 process, {cfg.steps} steps, {cfg.optimizer} lr {lr:g}, "
         f"reduction {cfg.reduction}, bucket_cap_mb {cfg.bucket_cap_mb}, "
-        f"inject {cfg.inject or 'none'}",
+        f"inject {cfg.inject or 'none'}"
+        + (f", deterministic ({cfg.deterministic} leaves)" if cfg.deterministic else ""),
         f"model {_name(cfg.model)}: {report.model_description}; batches {_name(cfg.batches)}",
         f"parameter checksums before step 0: reference {ev.ref_init_checksum}, ranks "
         + " ".join(ev.rank_init_checksums),
@@ -32,7 +33,14 @@ def format_report(report: VerifyReport) -> str:
             f"{r.max_grad_diff:>10.2e}  {r.grad_ratio:>11.4f}{mark}"
         )
     lines.append("")
-    if report.passed:
+    exact = all(r.max_param_diff == 0 and r.max_grad_diff == 0 for r in ev.records)
+    if report.passed and exact:
+        what = "its definition" if cfg.deterministic else "1-process training"
+        lines.append(
+            f"PASS: {n}-rank training is bitwise identical to {what}: every parameter and "
+            f"gradient, at every step ({report.elapsed_s:.1f} s)"
+        )
+    elif report.passed:
         lines.append(
             f"PASS: {n}-rank training equals 1-process training within {cfg.tolerance:g} at "
             f"every step ({report.elapsed_s:.1f} s)"

@@ -11,7 +11,6 @@ the parameters in float64, which is why verify is meant for a small version of a
 from __future__ import annotations
 
 import functools
-import hashlib
 import importlib
 import time
 import traceback
@@ -27,6 +26,7 @@ from gradsync.ddp.wrapper import DistributedDataParallel
 from gradsync.testing.gpt import lm_loss
 from gradsync.testing.spawn import spawn
 from gradsync.verify import inject as inj
+from gradsync.verify import leaves
 from gradsync.verify.diagnose import (
     Diagnosis,
     Evidence,
@@ -34,6 +34,7 @@ from gradsync.verify.diagnose import (
     diagnose,
     first_divergence,
 )
+from gradsync.verify.measure import checksum, flat, flat_grads, ratio, sample_fingerprints
 
 ModelFn = Callable[[], nn.Module]
 BatchFn = inj.BatchFn
@@ -83,6 +84,9 @@ class VerifyConfig:
     """Reproduce a bug in the N-rank run only: a key of ``gradsync.verify.inject.INJECTIONS``."""
     timeout_s: float = 120.0
     """Seconds the N-rank run may take before its ranks are killed."""
+    deterministic: int | None = None
+    """Leaves per step: verify the deterministic mode against its definition, bit for bit
+    (``leaves.py``); ``None``: the default mode against one backward on the global batch."""
 
 
 @dataclass
@@ -205,6 +209,15 @@ def check_config(cfg: VerifyConfig) -> None:
     batch = _call("batches", cfg.batches, batch_fn, 0, cfg.world_size, 0, shown=where)
     _as_batch(cfg, batch, where)
     inj.check_injection(cfg.inject, cfg.world_size, cfg.reduction, cfg.steps, epoch_length(cfg))
+    if cfg.deterministic is not None:
+        whole = _call("batches", cfg.batches, batch_fn, 0, 1, 0, shown="batch_fn(0, 1, 0)")
+        samples = len(_as_batch(cfg, whole, "batch_fn(0, 1, 0)")[0])
+        if cfg.inject is not None or not cfg.world_size <= cfg.deterministic <= samples:
+            raise ValueError(
+                f"deterministic={cfg.deterministic} leaves: need no inject, and at least "
+                f"world_size={cfg.world_size} leaves and at most the global batch's {samples} "
+                "samples"
+            )
 
 
 def _optimizer(cfg: VerifyConfig, params: list[nn.Parameter]) -> torch.optim.Optimizer:
@@ -233,50 +246,6 @@ def _backward(loss_fn: LossFn, model: nn.Module, batch: tuple[torch.Tensor, ...]
     return float(loss.item())
 
 
-def sample_fingerprints(batch: Sequence[torch.Tensor]) -> list[str]:
-    """One digest per sample, over the bytes of its row in every tensor of the batch."""
-    n = batch[0].shape[0]
-    rows = [t.detach().cpu().contiguous().reshape(n, -1).view(torch.uint8).numpy() for t in batch]
-    out = []
-    for i in range(n):
-        h = hashlib.blake2b(digest_size=8)
-        for r in rows:
-            h.update(r[i].tobytes())
-        out.append(h.hexdigest())
-    return out
-
-
-def _checksum(params: list[nn.Parameter]) -> str:
-    """A digest of the exact bytes of every parameter: equal means bitwise-identical replicas."""
-    h = hashlib.blake2b(digest_size=6)
-    for p in params:
-        h.update(p.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
-
-
-def _flat(params: list[nn.Parameter]) -> torch.Tensor:
-    # float64: differences of 1e-7 must not drown in the rounding of the comparison itself.
-    return torch.cat([p.detach().reshape(-1).double() for p in params])
-
-
-def _flat_grads(params: list[nn.Parameter]) -> torch.Tensor:
-    return torch.cat(
-        [
-            torch.zeros(p.numel(), dtype=torch.float64)
-            if p.grad is None
-            else p.grad.detach().reshape(-1).double()
-            for p in params
-        ]
-    )
-
-
-def _ratio(a: torch.Tensor, b: torch.Tensor) -> float:
-    num, den = a.norm().item(), b.norm().item()
-    if den == 0.0:
-        return 1.0 if num == 0.0 else float("inf")
-    return num / den
-
-
 def run_reference(cfg: VerifyConfig) -> tuple[_Reference, str]:
     """Train in this process on the global batches; return the trajectory and a model summary."""
     model_fn, batch_fn, loss_fn = _factories(cfg)
@@ -289,7 +258,7 @@ def run_reference(cfg: VerifyConfig) -> tuple[_Reference, str]:
         )
     params = list(model.parameters())
     summary = f"{type(model).__name__} ({sum(p.numel() for p in params):,} parameters)"
-    ref = _Reference([_flat(params)], [], [], [], _checksum(params))
+    ref = _Reference([flat(params)], [], [], [], checksum(params))
     opt = _optimizer(cfg, [p for p in params if p.requires_grad])
     for step in range(cfg.steps):
         where = f"batch_fn(0, 1, {step})"
@@ -298,10 +267,18 @@ def run_reference(cfg: VerifyConfig) -> tuple[_Reference, str]:
         ref.samples.append(sample_fingerprints(batch))
         opt.zero_grad()
         shown = f"loss_fn(model, {where})"
-        ref.losses.append(_call("loss", cfg.loss, _backward, loss_fn, model, batch, shown=shown))
-        ref.grads.append(_flat_grads(params))
+        if cfg.deterministic:
+            leaf = leaves.reference_backward(
+                model, loss_fn, batch, cfg.deterministic, cfg.reduction
+            )
+            ref.losses.append(leaf)
+        else:
+            ref.losses.append(
+                _call("loss", cfg.loss, _backward, loss_fn, model, batch, shown=shown)
+            )
+        ref.grads.append(flat_grads(params))
         opt.step()
-        ref.params.append(_flat(params))
+        ref.params.append(flat(params))
     return ref, summary
 
 
@@ -317,29 +294,35 @@ def _rank_main(rank: int, world_size: int, cfg: VerifyConfig, ref: _Reference) -
             model,
             bucket_cap_mb=cfg.bucket_cap_mb,
             reduction=inj.ddp_reduction(cfg.reduction, cfg.inject),
+            deterministic=cfg.deterministic,
         )
     params = list(model.parameters())
-    out = _RankResult(_checksum(params))
+    out = _RankResult(checksum(params))
     opt = _optimizer(cfg, [p for p in params if p.requires_grad])
-    before = _flat(params)
+    before = flat(params)
     for step in range(cfg.steps):
         where = f"batch_fn({rank}, {world_size}, {step})"
         batch = inj.rank_batch(batch_fn, rank, world_size, step, cfg.inject, spe)
         batch = _as_batch(cfg, batch, where)
         out.samples.append(sample_fingerprints(batch))
         opt.zero_grad()
-        loss = loss_fn(wrapped, batch)
-        loss.backward()
+        if cfg.deterministic:  # every rank its leaves of the global batch
+            batch = _as_batch(cfg, batch_fn(0, 1, step), where)
+            args = (wrapped, loss_fn, batch, cfg.deterministic, rank, world_size)
+            loss = torch.tensor(leaves.rank_backward(*args))
+        else:
+            loss = loss_fn(wrapped, batch)
+            loss.backward()
         if not inj.uses_wrapper(cfg.inject):
             average_gradients(model, reduction=cfg.reduction)
-        grads = _flat_grads(params)
+        grads = flat_grads(params)
         opt.step()
-        after = _flat(params)
+        after = flat(params)
         out.losses.append(loss.item())
         out.param_diffs.append((after - ref.params[step + 1]).abs().max().item())
         out.grad_diffs.append((grads - ref.grads[step]).abs().max().item())
-        out.grad_ratios.append(_ratio(grads, ref.grads[step]))
-        out.update_ratios.append(_ratio(after - before, ref.params[step + 1] - ref.params[step]))
+        out.grad_ratios.append(ratio(grads, ref.grads[step]))
+        out.update_ratios.append(ratio(after - before, ref.params[step + 1] - ref.params[step]))
         before = after
     return out
 
@@ -365,6 +348,8 @@ def verify(cfg: VerifyConfig) -> VerifyReport:
     )
     # The global loss: a mean loss is the mean of equal-sized shards' means, a sum the sum.
     scale = 1.0 / cfg.world_size if cfg.reduction == "mean" else 1.0
+    if cfg.deterministic:  # the ranks' sums of leaf losses: the step's mean over leaves
+        scale = 1.0 / cfg.deterministic if cfg.reduction == "mean" else 1.0
     records = [
         StepRecord(
             step=s,

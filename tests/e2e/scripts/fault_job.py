@@ -6,10 +6,10 @@ FAULT is one of ``sigstop`` (rank 1 stops itself), ``sigkill`` (rank 1 kills its
 ``exit`` (rank 1 exits with code 3), ``slow`` (rank 1 sleeps far past the deadline), ``eval``
 (rank 1 switches to eval mode with BatchNorm while the others train) and ``sigkill-inside``
 (rank 1 kills itself at the first gradient of its backward, once its gradient reduction has
-begun: rank 0 is then inside the reduction with it, and rank 1's arrival record says it got there). The job uses
-torch's default process-group timeout (30 minutes), as users' jobs do: only gradsync's
-``timeout`` may end it. Rank 0 prints ``ELAPSED <seconds>`` from the fault to its error, and
-ignores torchrun's SIGTERM so that it is not killed before it has printed.
+begun: rank 0 is then inside the reduction with it, and rank 1's arrival record says it got
+there). The job uses torch's default process-group timeout (30 minutes), as users' jobs do:
+only gradsync's ``timeout`` may end it. Rank 0 prints ``ELAPSED <seconds>`` from the fault to
+its error, and ignores torchrun's SIGTERM so that it is not killed before it has printed.
 """
 
 from __future__ import annotations

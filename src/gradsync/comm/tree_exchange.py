@@ -1,0 +1,217 @@
+"""The deterministic mode's bucket communication: the fixed leaf tree, summed across ranks.
+
+Each rank arrives with the pieces of its block of leaves ([Note: the fixed leaf tree] in
+``tree.py``), and the sum must be the tree's root, the same bits at any world size. The
+exchange is a reduce-scatter in which the owner of each chunk, not the wire, does the adding:
+
+1. *Counts* (once per step, :meth:`TreeExchange.begin_step`): every rank's number of leaves,
+   gathered (a few bytes). From them every rank knows every rank's pieces, so no sizes travel
+   with the data, and a leaf count that breaks the layout is refused on every rank alike.
+2. *Scatter* (per bucket, :meth:`TreeExchange.start`): the gradients are cut into N chunks;
+   rank p sends chunk c of each of its pieces to rank c, in one ``all_to_all``.
+3. *Combine*: rank c now holds chunk c of every piece of the step and adds them up the tree
+   (:func:`~gradsync.comm.tree.combine`), in the tree's order, whoever computed them.
+4. *Gather*: the summed chunks, to every rank, in one ``all_gather``.
+
+With one piece per rank (N a power of two dividing the leaves) a rank sends (N-1)/N of the
+bucket in step 2 and (N-1)/N in step 4: the bytes of a ring all-reduce. A rank with k pieces
+sends k (N-1)/N in step 2. The used flags and step tags after the gradients are small integers,
+exact in any order: they go by one small ``all_reduce`` beside the scatter.
+
+Steps 2 and the flags' sum start when the bucket is full, during backward; steps 3 and 4 run
+when the reducer waits for the bucket (:class:`TreeHandle`), in bucket order on every rank, so
+the collectives are issued in the same order everywhere, all from the caller's thread.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from gradsync.comm.algorithm import CommStats
+from gradsync.comm.hook import BucketLike, CommHook, tail
+from gradsync.comm.tree import Node, combine, dyadic_pieces, leaf_range
+from gradsync.errors import UsageError
+
+# torch 2.13 renamed all_gather_into_tensor (and warns on the old name); older torch lacks it.
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+class TreeExchange(CommHook):
+    """Sums each bucket's leaf pieces over ``group`` in the fixed tree's order; ``leaves``: the
+    leaves of a full step (the deterministic mode's setting)."""
+
+    def __init__(self, leaves: int, group: dist.ProcessGroup | None) -> None:
+        self.leaves = leaves
+        self.group = group
+        self.world_size = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        self.blocks = [leaf_range(leaves, self.world_size, r) for r in range(self.world_size)]
+        self.stats = CommStats()
+        self._counts: torch.Tensor | None = None  # this step's leaves per rank, gathered
+        self._count_work: Any = None
+        self.layout: StepLayout | None = None  # read from the counts at the first bucket
+        self._wait: Callable[[Any], None] = lambda work: work.wait()  # begin_step's
+
+    def begin_step(
+        self, leaves_here: int, device: torch.device, wait: Callable[[Any], None]
+    ) -> None:
+        """Start gathering every rank's leaf count for the step whose reduction begins now
+        (0 on a rank that has joined): issued before the step's first bucket on every rank.
+        ``wait(work)`` waits for the gather, under the caller's deadline."""
+        self._wait = wait
+        mine = torch.tensor([leaves_here], dtype=torch.int64, device=device)
+        self._counts = torch.empty(self.world_size, dtype=torch.int64, device=device)
+        self.layout = None
+        if self.world_size == 1:
+            self._counts.copy_(mine)
+            return
+        self._count_work = _all_gather(self._counts, mine, group=self.group, async_op=True)
+
+    def _step_layout(self) -> StepLayout:
+        if self.layout is None:
+            assert self._counts is not None, "begin_step() comes before the first bucket"
+            if self._count_work is not None:
+                self._wait(self._count_work)
+                self._count_work = None
+            self.layout = StepLayout(self._counts.tolist(), self.blocks)
+        return self.layout
+
+    def start(self, bucket: BucketLike) -> TreeHandle:
+        layout = self._step_layout()
+        mine: Sequence[tuple[Node, torch.Tensor]] = bucket.pieces  # type: ignore[attr-defined]
+        assert [n for n, _ in mine] == layout.pieces[self.rank], "pieces and counts disagree"
+        return TreeHandle(self, bucket, layout, [t for _, t in mine])
+
+    def finish(self) -> None:
+        """The step's reduction is over (or abandoned): forget its counts."""
+        self._counts, self._count_work, self.layout = None, None, None
+
+
+class StepLayout:
+    """Who holds which pieces in one step, from every rank's leaf count; refuses counts that do
+    not put the step's leaves, in order, on the ranks that hold them at every world size."""
+
+    def __init__(self, counts: Sequence[int], blocks: Sequence[range]) -> None:
+        self.counts = list(counts)
+        for rank, (count, block) in enumerate(zip(counts, blocks, strict=True)):
+            later = [r for r in range(rank + 1, len(counts)) if counts[r]]
+            if count > len(block) or (count < len(block) and later):
+                raise UsageError(
+                    f"deterministic mode: rank {rank} ran {count} leaves (micro-batches with a "
+                    f"backward) in this step, but its leaves are {block.start}..{block.stop - 1} "
+                    f"of every step ({len(block)}), and a rank may run fewer only in a short last "
+                    f"step, after which later ranks run none (leaves per rank: {self.counts}). "
+                    "Take the leaves from GlobalBatchSampler(..., deterministic=True), or from "
+                    "gradsync.data.leaf_range(leaves, world_size, rank)"
+                )
+        self.total = sum(counts)  # the step's leaves: a prefix of the full step's
+        self.pieces = [
+            dyadic_pieces(block.start, block.start + count)
+            for count, block in zip(counts, blocks, strict=True)
+        ]
+
+
+def chunk_bounds(numel: int, parts: int) -> list[tuple[int, int]]:
+    """``numel`` elements cut into ``parts`` contiguous chunks, sizes differing by at most one."""
+    base, extra = divmod(numel, parts)
+    starts = [c * base + min(c, extra) for c in range(parts + 1)]
+    return list(zip(starts[:-1], starts[1:], strict=True))
+
+
+class TreeHandle:
+    """One bucket's exchange in flight: the scatter and the flags' sum run from :meth:`__init__`;
+    the first :meth:`wait` combines this rank's chunk and gathers every chunk into the bucket."""
+
+    def __init__(
+        self,
+        owner: TreeExchange,
+        bucket: BucketLike,
+        layout: StepLayout,
+        mine: list[torch.Tensor],
+    ) -> None:
+        self.owner, self.bucket, self.layout = owner, bucket, layout
+        n, rank = owner.world_size, owner.rank
+        grads = bucket.grads
+        self.bounds = chunk_bounds(grads.numel(), n)
+        self.done = False
+        if n == 1:
+            self._finish_alone(mine)
+            return
+        stats = owner.stats
+        stats.calls += 1
+        lo, hi = self.bounds[rank]
+        # Chunk c of each of my pieces, for rank c, in rank order: one contiguous send buffer.
+        send = torch.cat([t[a:b] for a, b in self.bounds for t in mine]) if mine else grads[:0]
+        sizes_in = [len(mine) * (b - a) for a, b in self.bounds]
+        sizes_out = [len(p) * (hi - lo) for p in layout.pieces]
+        self.received = grads.new_empty(sum(sizes_out))
+        self.scatter = dist.all_to_all_single(
+            self.received, send, sizes_out, sizes_in, group=owner.group, async_op=True
+        )
+        exact = tail(bucket)  # used flags (and bucket 0's tail): small integers
+        self.flags = dist.all_reduce(exact, group=owner.group, async_op=True)
+        element = grads.element_size()
+        stats.bytes_sent += (sum(sizes_in) - sizes_in[rank]) * element
+        stats.bytes_received += (sum(sizes_out) - sizes_out[rank]) * element
+        self.gather: Any = None
+        self.gathered: torch.Tensor | None = None
+
+    def _finish_alone(self, mine: list[torch.Tensor]) -> None:
+        pieces = dict(zip(self.layout.pieces[0], mine, strict=True))
+        root = combine(pieces, self.layout.total)
+        if root is None:
+            self.bucket.grads.zero_()
+        elif root.data_ptr() != self.bucket.grads.data_ptr():
+            self.bucket.grads.copy_(root)
+        self.done = True
+
+    def is_completed(self) -> bool:
+        if self.done:
+            return True
+        if self.gather is None:
+            return False
+        return bool(self.gather.is_completed() and self.flags.is_completed())
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        if self.done:
+            return True
+        if self.gather is None:
+            self.scatter.wait(timeout) if timeout is not None else self.scatter.wait()
+            self._combine_and_gather()
+        for work in (self.gather, self.flags):
+            work.wait(timeout) if timeout is not None else work.wait()
+        gathered, width = self.gathered, max(b - a for a, b in self.bounds)
+        assert gathered is not None
+        grads = self.bucket.grads
+        for c, (a, b) in enumerate(self.bounds):
+            grads[a:b].copy_(gathered[c * width : c * width + (b - a)])
+        self.done = True
+        return True
+
+    def _combine_and_gather(self) -> None:
+        """Add the step's pieces of this rank's chunk up the tree, then start gathering every
+        rank's summed chunk (each padded to the longest chunk, as the gather needs)."""
+        owner, layout = self.owner, self.layout
+        lo, hi = self.bounds[owner.rank]
+        length = hi - lo
+        chunks: dict[Node, torch.Tensor] = {}
+        offset = 0
+        for pieces in layout.pieces:
+            for node in pieces:
+                chunks[node] = self.received[offset : offset + length]
+                offset += length
+        width = max(b - a for a, b in self.bounds)
+        mine = self.bucket.grads.new_zeros(width)
+        root = combine(chunks, layout.total)
+        if root is not None:
+            mine[:length].copy_(root)
+        self.gathered = mine.new_empty(width * owner.world_size)
+        self.gather = _all_gather(self.gathered, mine, group=owner.group, async_op=True)
+        element = mine.element_size()
+        owner.stats.bytes_sent += (owner.world_size - 1) * width * element
+        owner.stats.bytes_received += (owner.world_size - 1) * width * element

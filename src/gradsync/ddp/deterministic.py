@@ -1,0 +1,132 @@
+"""The deterministic mode's contract: what it needs, checked where it can be, and what it refuses.
+
+[Note: what the same bits need]
+``DistributedDataParallel(model, deterministic=L)`` sums each step's ``L`` leaf gradients in one
+fixed tree ([Note: the fixed leaf tree] in ``comm/tree.py``), so the reduction no longer
+depends on N. The parameters are then the same bits at every N only if everything else is too:
+
+- *Each leaf's gradient is the same bits wherever it is computed.* The same samples in the same
+  leaf (``GlobalBatchSampler(..., deterministic=True)`` cuts them so), the same model code, and
+  the same kernels: on CPU the same number of intra-op threads per rank (a matmul may split its
+  sums by thread), on GPU ``torch.use_deterministic_algorithms(True)`` (with
+  ``CUBLAS_WORKSPACE_CONFIG=:4096:8``), the same GPU model and library versions. Ranks must
+  agree on both, which is checked at construction with the other settings; two runs at
+  different N must agree too, which no process can check: set ``OMP_NUM_THREADS`` (torchrun
+  sets 1 per process when it starts several) and keep it when N changes.
+- *Randomness follows the leaf, not the rank*: no dropout drawn from a per-rank generator (data
+  randomness can follow each sample with :func:`gradsync.data.sample_generator`).
+- *Every scale is applied once, after the sum*: ``"sum"`` adds, ``"item_mean"`` divides by the
+  step's item count, ``"mean"`` divides by the step's number of leaves (so each leaf's loss is
+  a mean over its samples, *not* also divided by the accumulation steps, which differ between
+  ranks here). No pre-division, whatever N.
+- *Anything after the reduction is computed the same way at every N*: the optimizer step on
+  replicated gradients is; a gradient norm summed over ranks' slices is not.
+
+[Note: leaves and join]
+Ranks run different numbers of leaves per step when N does not divide ``L``, so a collective
+per forward cannot pair up across ranks. So in this mode no forward broadcasts buffers (a module
+with buffers needs ``broadcast_buffers=False``: buffers that training changes, BatchNorm's
+running statistics, then depend on which leaves a rank ran and are outside the guarantee), and
+inside ``join()`` the handshake runs once per step, at each rank's synchronised forward (its
+last leaf), after the collectives of a step's first forward (the first-batch fingerprint, the
+replica check), so that every rank issues them in the same order.
+
+Refused, naming why: lossy wires (``compression=``; they round partial sums), another
+``algorithm=`` and torch comm hooks (they choose the summation order), ``bucket_cap_mb="auto"``
+(it replaces the buckets mid-run), ``shard_optimizer()`` (its clipping norm adds per-rank slices),
+a ``device_mesh`` (context- and tensor-parallel contributions are not leaves), DTensor
+parameters.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from gradsync.errors import UsageError
+
+_WHY = "the deterministic mode (deterministic=) sums the leaves in its own fixed order"
+
+
+def refuse_in_deterministic_mode(
+    leaves: object, compression: object, algorithm: str, auto: bool
+) -> None:
+    """Check ``deterministic`` (``leaves``) and refuse the settings (``SyncOptions``'s) it
+    cannot keep its promise with."""
+    if leaves is None:
+        return
+    if isinstance(leaves, bool) or not isinstance(leaves, int) or leaves < 1:
+        raise UsageError(
+            f"deterministic must be the number of leaves per step (a positive int, e.g. "
+            f"GlobalBatchSampler(..., deterministic=True).leaves_per_step) or None, got "
+            f"{leaves!r}"
+        )
+    if compression is not None:
+        raise UsageError(
+            f"compression={compression!r} cannot be combined with deterministic=: a "
+            "lossy wire rounds partial sums, whose grouping depends on the world size; "
+            f"{_WHY}"
+        )
+    if algorithm != "native":
+        raise UsageError(
+            f"algorithm={algorithm!r} cannot be combined with deterministic=: "
+            f"{_WHY}, not an all-reduce's"
+        )
+    if auto:
+        raise UsageError(
+            "bucket_cap_mb='auto' cannot be combined with deterministic=: it replaces the "
+            "buckets mid-run (the result would not change, but their leaves would be lost); "
+            "pass a number"
+        )
+
+
+def deterministic_settings(leaves: int | None) -> dict[str, Any]:
+    """What every rank must agree on for the same compute per leaf (compared at construction
+    with the other settings; see [Note: what the same bits need])."""
+    if leaves is None:
+        return {}
+    return {
+        "torch.get_num_threads() (deterministic mode)": torch.get_num_threads(),
+        "torch.are_deterministic_algorithms_enabled() (deterministic mode)": (
+            torch.are_deterministic_algorithms_enabled()
+        ),
+    }
+
+
+def check_compute(
+    leaves: int | None, device: torch.device, world_size: int, broadcast_buffers: bool
+) -> None:
+    """Refuse what is known at construction to break the same compute per leaf, or the
+    pairing of collectives ([Note: leaves and join])."""
+    if leaves is None:
+        return
+    if broadcast_buffers:
+        raise UsageError(
+            "deterministic= with a module that has buffers needs broadcast_buffers=False: "
+            "ranks run different numbers of leaves per step, so a broadcast per forward cannot "
+            "pair up (buffers that training changes, like BatchNorm's running statistics, then "
+            "differ per rank and are outside the same-bits guarantee)"
+        )
+    if leaves < world_size:
+        raise UsageError(
+            f"deterministic={leaves} leaves per step over {world_size} ranks: every rank needs "
+            "at least one leaf of a full step; use more, smaller leaves"
+        )
+    if device.type == "cuda" and not torch.are_deterministic_algorithms_enabled():
+        raise UsageError(
+            "deterministic= on CUDA needs torch.use_deterministic_algorithms(True) on every "
+            "rank (and CUBLAS_WORKSPACE_CONFIG=:4096:8): otherwise a leaf's gradient may "
+            "depend on kernel scheduling"
+        )
+
+
+def refuse_mesh(mesh_axes: tuple[str, ...], layouts: Sequence[object]) -> None:
+    """The deterministic mode over a device mesh or with DTensor parameters: refused."""
+    if mesh_axes or any(layout is not None for layout in layouts):
+        raise UsageError(
+            "deterministic= cannot be combined with a device_mesh or DTensor parameters: the "
+            "leaves are micro-batches of the data-parallel axis, and context- or "
+            "tensor-parallel contributions to a gradient are summed in an order of their own"
+        )
