@@ -338,7 +338,7 @@ def main(argv: list[str] | None = None) -> int:
         store = os.path.join(tempfile.mkdtemp(), "store")
         dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
     rank, world = dist.get_rank(), dist.get_world_size()
-    if args.global_batch % world and not args.global_batches:
+    if args.global_batch % world and not (args.global_batches or args.deterministic):
         raise ValueError(
             f"--global-batch {args.global_batch} is not divisible by world size {world} "
             "(--global-batches takes any world size)"
@@ -359,6 +359,8 @@ def main(argv: list[str] | None = None) -> int:
     by_global_batch = args.global_batches or args.deterministic
     batches = LastBatch(sampler if by_global_batch else BatchSampler(sampler, per_rank, True))
     loader = DataLoader(dataset, batch_sampler=batches)  # in this process: batches.last is x's
+    # With leaves a step is several micro-batches; otherwise one.
+    steps_per_epoch = sampler.steps_per_epoch if args.deterministic else len(batches)
     model = make_model(dataset.vocab_size, args.block_size, args.dtype, args.seed)
     ddp = gradsync.DistributedDataParallel(
         model, bucket_cap_mb=args.bucket_cap_mb, compression=make_compression(args),
@@ -385,13 +387,13 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"gradsync: {world} rank(s), {n_params / 1e6:.2f}M parameters, {ddp.num_buckets} "
             f"bucket(s), global batch {args.global_batch} x {args.block_size} tokens, "
-            f"{len(batches)} micro-batches/epoch, compression {args.compression}"
+            f"{steps_per_epoch} steps/epoch, compression {args.compression}"
             + (f", deterministic ({ddp.deterministic} leaves)" if args.deterministic else "")
             + (f"; resumed at step {step}" if step else "")
         )
 
     t0 = time.perf_counter()
-    total = args.epochs * len(batches) if not args.max_steps else args.max_steps
+    total = args.epochs * steps_per_epoch if not args.max_steps else args.max_steps
     bar = tqdm(total=total, initial=step, desc="train", disable=rank != 0)
     curve: dict[int, float] = {}  # step -> loss (mean over ranks), every 10 steps
     for epoch in range(sampler.epoch, args.epochs):  # a resumed sampler knows its epoch

@@ -9,6 +9,7 @@ else waited for it) and a taller segment in the phase that made it late.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 
 from gradsync.timing import PHASES, RankStep
 
@@ -57,5 +58,6 @@ def plot_step_phases(
     if title:
         fig.suptitle(title, fontsize=9)
     fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)  # --out may point elsewhere
     fig.savefig(path, dpi=110)
     plt.close(fig)
