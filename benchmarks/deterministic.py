@@ -88,9 +88,10 @@ def _time_steps(ddp: Any, opt: Any, cfg: Any, args: argparse.Namespace, seed: in
         for j, leaf in enumerate(mine):
             last = j == len(mine) - 1
             with contextlib.nullcontext() if last else ddp.no_sync():
+                loss = lm_loss(ddp(x[leaf]), x[leaf], reduction="sum")
                 if hasattr(ddp, "count_items"):
                     ddp.count_items(cfg.block_size)
-                lm_loss(ddp(x[leaf]), x[leaf], reduction="sum").backward()
+                loss.backward()
         opt.step()
         elapsed = time.perf_counter() - t0
         row = torch.tensor([elapsed, _payload(ddp) - counted, _sent_bytes() - sent])

@@ -30,7 +30,8 @@ place. The tests check that pieces folded on any number of ranks and combined gi
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Generic, TypeVar
 
 import torch
 
@@ -65,7 +66,14 @@ def dyadic_pieces(start: int, stop: int) -> list[Node]:
     return out
 
 
-class TreeFold:
+T = TypeVar("T")
+
+
+def _add_into(left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
+    return left.add_(right)  # left + right: addition commutes, so in place is the same bits
+
+
+class TreeFold(Generic[T]):
     """The pieces of one rank's block of leaves, summed as the tree sums them, leaf by leaf.
 
     :meth:`add` takes the leaves in order, from ``start``. A new leaf is a node of size 1; while
@@ -74,28 +82,34 @@ class TreeFold:
     maximal aligned dyadic intervals of the leaves added so far, each summed in tree order (a
     binary counter: a leaf costs one addition on average, and at most ``log2`` of a block's
     length nodes wait at once).
+
+    A leaf is a tensor, or anything ``plus(left, right)`` adds into ``left`` and returns (the
+    deterministic mode's buckets fold lists of per-parameter gradients with one
+    ``_foreach_add_`` each).
     """
 
-    def __init__(self, start: int) -> None:
+    def __init__(self, start: int, plus: Callable[[T, T], T] = _add_into) -> None:  # type: ignore[assignment]
         self.start = start
         self.count = 0  # leaves added
-        self.nodes: list[tuple[Node, torch.Tensor]] = []
+        self.nodes: list[tuple[Node, T]] = []
+        self.plus = plus
 
-    def add(self, leaf: torch.Tensor) -> None:
-        """Add the next leaf's gradient (this fold keeps ``leaf``: pass a tensor it may own)."""
+    def add(self, leaf: T, size: int = 1) -> None:
+        """Add the next leaf's gradient (this fold keeps ``leaf``, and adds into it); ``size=2``:
+        the next two leaves' sum, ``first + second``, the first at an even position."""
         nodes = self.nodes
-        nodes.append(((self.start + self.count, 1), leaf))
-        self.count += 1
+        assert size == 1 or (size == 2 and (self.start + self.count) % 2 == 0)
+        nodes.append(((self.start + self.count, size), leaf))
+        self.count += size
         while len(nodes) >= 2:
             (first, size), left = nodes[-2]
             (second, size2), right = nodes[-1]
             if size != size2 or first % (2 * size):
                 break
             assert second == first + size
-            left.add_(right)  # left + right: addition commutes, so in place is the same bits
-            nodes[-2:] = [((first, 2 * size), left)]
+            nodes[-2:] = [((first, 2 * size), self.plus(left, right))]
 
-    def pieces(self) -> list[tuple[Node, torch.Tensor]]:
+    def pieces(self) -> list[tuple[Node, T]]:
         """The nodes now: :func:`dyadic_pieces` of the leaves added, with their sums."""
         return list(self.nodes)
 

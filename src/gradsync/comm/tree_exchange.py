@@ -53,6 +53,7 @@ class TreeExchange(CommHook):
         self.blocks = [leaf_range(leaves, self.world_size, r) for r in range(self.world_size)]
         self.stats = CommStats()
         self._counts: torch.Tensor | None = None  # this step's leaves per rank, gathered
+        self._handles: list[TreeHandle] = []  # this step's buckets in flight, in order
         self._count_work: Any = None
         self.layout: StepLayout | None = None  # read from the counts at the first bucket
         self._wait: Callable[[Any], None] = lambda work: work.wait()  # begin_step's
@@ -85,11 +86,22 @@ class TreeExchange(CommHook):
         layout = self._step_layout()
         mine: Sequence[tuple[Node, torch.Tensor]] = bucket.pieces  # type: ignore[attr-defined]
         assert [n for n, _ in mine] == layout.pieces[self.rank], "pieces and counts disagree"
-        return TreeHandle(self, bucket, layout, [t for _, t in mine])
+        handle = TreeHandle(self, bucket, layout, [t for _, t in mine])
+        self._handles.append(handle)
+        return handle
+
+    def advance(self, timeout: timedelta | None) -> None:
+        """Combine and start gathering every bucket of the step whose gather has not started,
+        in bucket order: the reducer waits for bucket 0 once every bucket is launched, and the
+        gathers then travel together instead of one after another. The same order on every
+        rank, so the collectives pair up."""
+        for handle in self._handles:
+            handle.combine_and_gather(timeout)
 
     def finish(self) -> None:
         """The step's reduction is over (or abandoned): forget its counts."""
         self._counts, self._count_work, self.layout = None, None, None
+        self._handles = []
 
 
 class StepLayout:
@@ -146,7 +158,10 @@ class TreeHandle:
         stats.calls += 1
         lo, hi = self.bounds[rank]
         # Chunk c of each of my pieces, for rank c, in rank order: one contiguous send buffer.
-        send = torch.cat([t[a:b] for a, b in self.bounds for t in mine]) if mine else grads[:0]
+        if len(mine) == 1:  # one piece: its chunks are in rank order already
+            send = mine[0]
+        else:
+            send = torch.cat([t[a:b] for a, b in self.bounds for t in mine]) if mine else grads[:0]
         sizes_in = [len(mine) * (b - a) for a, b in self.bounds]
         sizes_out = [len(p) * (hi - lo) for p in layout.pieces]
         self.received = grads.new_empty(sum(sizes_out))
@@ -181,8 +196,7 @@ class TreeHandle:
         if self.done:
             return True
         if self.gather is None:
-            self.scatter.wait(timeout) if timeout is not None else self.scatter.wait()
-            self._combine_and_gather()
+            self.owner.advance(timeout)
         for work in (self.gather, self.flags):
             work.wait(timeout) if timeout is not None else work.wait()
         gathered, width = self.gathered, max(b - a for a, b in self.bounds)
@@ -193,9 +207,13 @@ class TreeHandle:
         self.done = True
         return True
 
-    def _combine_and_gather(self) -> None:
-        """Add the step's pieces of this rank's chunk up the tree, then start gathering every
-        rank's summed chunk (each padded to the longest chunk, as the gather needs)."""
+    def combine_and_gather(self, timeout: timedelta | None) -> None:
+        """Once the scatter is in, add the step's pieces of this rank's chunk up the tree, then
+        start gathering every rank's summed chunk (each padded to the longest chunk, as the
+        gather needs). Once."""
+        if self.done or self.gather is not None:
+            return
+        self.scatter.wait(timeout) if timeout is not None else self.scatter.wait()
         owner, layout = self.owner, self.layout
         lo, hi = self.bounds[owner.rank]
         length = hi - lo

@@ -1,14 +1,14 @@
 """The deterministic mode's bucket: each leaf's gradients kept apart, added in tree order.
 
 A :class:`LeafBucket` owns its parameters' gradients like an ``AccumulatingBucket`` (each hook
-adds the gradient into the buffer, in the buffer's dtype, and frees ``.grad``), but the buffer
-holds one leaf at a time: when a leaf's backward ends, its gradients move into the bucket's
-:class:`~gradsync.comm.tree.TreeFold`, which adds them to the others in the fixed tree's order
-([Note: the fixed leaf tree] in ``comm/tree.py``), and the buffer starts the next leaf from
-zero. The last leaf of a step is the synchronised backward: when the bucket is full its leaf
-joins the fold too, and the comm hook (``comm/tree_exchange.py``) reads :attr:`pieces`. After
-the exchange the buffer holds the step's sum, which goes out as with the other buckets: into
-``.grad`` (and ``p.main_grad`` with ``main_grad_dtype``).
+takes the gradient, in the bucket's dtype, and frees ``.grad``), but keeps each leaf apart, in
+a buffer of its own: when a leaf's backward ends, that buffer joins the bucket's
+:class:`~gradsync.comm.tree.TreeFold`, which adds it to the others in the fixed tree's order
+([Note: the fixed leaf tree] in ``comm/tree.py``). The last leaf of a step is the synchronised
+backward: when the bucket is full its leaf joins the fold too, and the comm hook
+(``comm/tree_exchange.py``) reads :attr:`pieces`. The exchange writes the step's sum into the
+bucket's own buffer, which goes out as with the other buckets: into ``.grad`` (and
+``p.main_grad`` with ``main_grad_dtype``).
 """
 
 from __future__ import annotations
@@ -27,7 +27,23 @@ from gradsync.failfast.deadline import Deadline
 
 
 class LeafBucket(AccumulatingBucket):
-    """An accumulating bucket whose window is a fold of leaves starting at leaf ``first``."""
+    """An accumulating bucket whose window is a fold of leaves starting at leaf ``first``.
+
+    A leaf is the list of its parameters' gradients as autograd produced them (in the bucket's
+    dtype): a hook takes ``.grad`` over and frees it, so no leaf costs a copy of the bucket, and
+    the fold adds lists with one ``_foreach_add_``. Only the pieces of the step, a few, are laid
+    out flat, for the exchange.
+
+    [Note: autograd adds the first level]
+    The tree's first level adds leaves in pairs, ``2i + (2i + 1)``, and that is what autograd
+    computes when it accumulates leaf ``2i + 1``'s gradient into a ``.grad`` holding leaf
+    ``2i``'s: ``old + new``, one rounding, the same bits (addition commutes). So a hook under
+    ``no_sync()`` leaves an even leaf's gradient in ``.grad``, and the next leaf's hook takes
+    the pair's sum: half the folding and half the fresh gradient tensors. Not where the bucket
+    widens the gradients (``main_grad_dtype``): autograd would add them in the narrower dtype.
+    A synchronised backward always takes what ``.grad`` holds (the step's last leaf has no
+    right neighbour to wait for), and so does a join round after an even leaf.
+    """
 
     def __init__(
         self,
@@ -39,37 +55,86 @@ class LeafBucket(AccumulatingBucket):
     ) -> None:
         self.first, self.main_grads = first, main_grads  # first: where this rank's block starts
         self.contributes = True  # False in a join round: no leaf of this rank's in the sum
-        self.fold = TreeFold(first)
+        self.left_open = False  # an even leaf's gradients wait in .grad for the next leaf's
         super().__init__(spec, params, tail_numel=tail_numel)
+        self.leaf: list[torch.Tensor | None] = [None] * len(self.params)  # the running leaf
+        self.pairs = all(p.dtype == self.grads.dtype for p in self.params)
 
     def reset(self) -> None:
         super().reset()
-        self.fold = TreeFold(self.first)
-        self.contributes = True
+        self.fold: TreeFold[list[torch.Tensor]] = TreeFold(self.first, _add_lists)
+        self.contributes, self.left_open = True, False
 
-    def end_leaf(self) -> None:
-        """A leaf's backward ended: its gradients join the fold; the buffer starts from zero."""
-        self.fold.add(self.grads.clone())
-        self.grads.zero_()
+    @property
+    def leaves_done(self) -> int:
+        """This rank's leaves of the step whose backward has ended."""
+        return self.fold.count + int(self.left_open)
+
+    def _left_of_a_pair(self) -> bool:
+        """The running leaf (under ``no_sync()``) is even: autograd adds the next one into it."""
+        return self.pairs and not self.left_open and (self.first + self.fold.count) % 2 == 0
+
+    def arrive(self, slot: int) -> None:
+        self._mark_ready(slot)
+        self._take(slot)
+
+    def accumulate(self, slot: int) -> None:
+        """Under ``no_sync()``: take ``params[slot].grad`` into this leaf, unless autograd is to
+        add the next leaf into it ([Note: autograd adds the first level])."""
+        if not self._left_of_a_pair():
+            self._take(slot)
+
+    def _take(self, slot: int) -> None:
+        grad = self.params[slot].grad
+        if grad is None:
+            return
+        if grad.dtype != self.grads.dtype:  # main_grad_dtype: one widening copy
+            grad = grad.to(self.grads.dtype)
+        held = self.leaf[slot]
+        self.leaf[slot] = grad if held is None else held.add_(grad)  # a reentrant backward
+        self.params[slot].grad = None
+
+    def end_leaf(self, synchronised: bool = False) -> None:
+        """A leaf's backward ended: its gradients join the fold (zeros where it has none), or
+        wait in ``.grad`` for the next leaf's."""
+        if not synchronised and self._left_of_a_pair():
+            self.left_open = True
+            return
+        leaf = [
+            torch.zeros_like(view) if grad is None else grad
+            for grad, view in zip(self.leaf, self.views, strict=True)
+        ]
+        self.fold.add(leaf, 2 if self.left_open else 1)
+        self.leaf, self.left_open = [None] * len(self.params), False
 
     @property
     def pieces(self) -> list[tuple[Node, torch.Tensor]]:
-        """This rank's pieces of the step (after the last leaf joined them)."""
-        return self.fold.pieces()
+        """This rank's pieces of the step (after the last leaf joined them), each laid out as
+        the bucket's gradients."""
+        out, where = [], list(zip(self.spec.offsets, self.views, strict=True))
+        for node, grads in self.fold.pieces():
+            flat = self.grads.new_empty(self.grads.shape)
+            torch._foreach_copy_([flat[a : a + v.numel()].view(v.shape) for a, v in where], grads)
+            out.append((node, flat))
+        return out
 
     def gather(self, scale: float | None) -> None:
-        # The synchronised backward's leaf is complete in this bucket: it joins the fold.
+        # The synchronised backward's leaf is complete in this bucket: it joins the fold. In a
+        # join round, an even leaf still waiting in .grad joins alone.
         assert scale is None, "the deterministic mode scales once, after the sum"
-        if self.contributes:
-            self.end_leaf()
+        if self.contributes or self.left_open:
+            if not self.contributes:
+                for slot in range(len(self.params)):
+                    self._take(slot)
+            self.end_leaf(synchronised=True)
 
     def flag_finite(self) -> None:
-        """Whether each parameter's gradient is finite in every leaf of this rank."""
-        pieces = [t for _, t in self.pieces]
+        """Whether each parameter's gradient is finite in every piece of this rank."""
+        pieces = [grads for _, grads in self.fold.pieces()]
         self.local_finite = torch.stack([
-            torch.stack([torch.isfinite(t[a : a + v.numel()]).all() for t in pieces]).all()
+            torch.stack([torch.isfinite(p[slot]).all() for p in pieces]).all()
             if pieces else torch.ones((), dtype=torch.bool, device=v.device)
-            for a, v in zip(self.spec.offsets, self.views, strict=True)
+            for slot, v in enumerate(self.views)
         ])  # fmt: skip
 
     def results(self, counts: Sequence[float]) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -81,6 +146,11 @@ class LeafBucket(AccumulatingBucket):
         if self.main_grads:
             return super().write_back(slot)
         return Bucket.write_back(self, slot)
+
+
+def _add_lists(left: list[torch.Tensor], right: list[torch.Tensor]) -> list[torch.Tensor]:
+    torch._foreach_add_(left, right)  # addition commutes: in place is left + right, bit for bit
+    return left
 
 
 class NoLeaves:
@@ -135,7 +205,7 @@ class LeafSteps(NoLeaves):
             return
         for bucket in self.buckets:
             bucket.contributes = contributes
-        leaves_here = self.buckets[0].fold.count + int(contributes)
+        leaves_here = self.buckets[0].leaves_done + int(contributes)
         what = "every rank's leaf count of this step"
         wait = lambda work: self.deadline.wait(work, what)  # noqa: E731
         self.exchange.begin_step(leaves_here, self.buckets[0].buffer.device, wait)

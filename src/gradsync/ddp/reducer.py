@@ -198,8 +198,7 @@ class Reducer(TorchReducerMethods):
         wrapper has refused a forward the reducer cannot take (step 4 of [Note: the forward
         protocol] in ``forward.py``)."""
         window = self.window
-        owned = self.main_grads or self.leaf_steps.on  # the buckets own the gradients
-        if owned and window.phase is Phase.UNPREPARED:  # a new accumulation window
+        if self.main_grads and window.phase is Phase.UNPREPARED:  # a new accumulation window
             start_window(self.buckets, training)  # an eval forward keeps main_grad: see there
         active = self.world_size if num_active is None else num_active
         window.begin_forward(sync, training, active, by_world, self.watch.changes())
