@@ -16,7 +16,7 @@ variant computes the same thing and only the reduction differs:
 Per variant: the median step time of the slowest rank over every timed step; the gradient bytes
 each rank hands the wire per step (max rank): what the exchange counts for the deterministic
 mode, a ring all-reduce's ``2 (N-1)/N`` of the gradients for the others; on a simulated cluster
-also the bytes node 0's link actually sent per step (``/proc/net/dev`` in its namespace: every
+also the bytes the busiest node's link actually sent per step (``/proc/net/dev`` in its namespace: every
 collective, headers included).
 """
 
@@ -148,7 +148,7 @@ def report(row: dict[str, Any], where: str, cluster: bool) -> str:
         "",
         "| variant | step (ms) | vs gradsync | vs torch DDP | gradient bytes sent per step "
         "(MiB, max rank) | vs a ring all-reduce |"
-        + (" link bytes per step (MiB, node 0) |" if cluster else ""),
+        + (" link bytes sent per step (MiB, max node) |" if cluster else ""),
         "|---|---:|---:|---:|---:|---:|" + ("---:|" if cluster else ""),
     ]
     for v in VARIANTS:

@@ -11,6 +11,7 @@ from gradsync.comm.tree import (
     TreeFold,
     combine,
     dyadic_pieces,
+    leaf_blocks,
     leaf_range,
     naive_tree_sum,
     positions,
@@ -18,6 +19,12 @@ from gradsync.comm.tree import (
 from gradsync.comm.tree_exchange import StepLayout, chunk_bounds
 from gradsync.data import GlobalBatchSampler
 from gradsync.errors import UsageError
+
+
+def _even(leaves: int, world: int, rank: int) -> tuple[int, int]:
+    base, extra = divmod(leaves, world)
+    start = rank * base + min(rank, extra)
+    return start, start + base + int(rank < extra)
 
 
 def _leaves(count: int) -> list[torch.Tensor]:
@@ -65,12 +72,19 @@ def test_a_short_step_is_the_tree_of_its_leaves() -> None:
             assert torch.equal(_fold_and_combine(leaves, world, present), expected)
 
 
-def test_blocks_tile_the_leaves_in_rank_order() -> None:
-    for leaves in range(1, 20):
+def test_blocks_tile_the_leaves_in_rank_order_and_are_cut_along_the_tree() -> None:
+    def most_pieces(blocks: tuple[range, ...]) -> int:
+        return max(len(dyadic_pieces(b.start, b.stop)) for b in blocks)
+
+    for leaves in range(1, 70):
         for world in range(1, leaves + 1):
-            blocks = [leaf_range(leaves, world, r) for r in range(world)]
+            blocks = leaf_blocks(leaves, world)
             assert [i for b in blocks for i in b] == list(range(leaves))
-            assert max(map(len, blocks)) - min(map(len, blocks)) <= 1
+            assert max(map(len, blocks)) == -(-leaves // world) and min(map(len, blocks)) >= 1
+            even = tuple(range(a, b) for a, b in (_even(leaves, world, r) for r in range(world)))
+            assert most_pieces(blocks) <= most_pieces(even)
+    assert leaf_blocks(16, 3) == (range(0, 4), range(4, 10), range(10, 16))  # 1, 2, 2 pieces
+    assert leaf_blocks(16, 4) == (range(0, 4), range(4, 8), range(8, 12), range(12, 16))
     assert dyadic_pieces(3, 9) == [(3, 1), (4, 4), (8, 1)]
     assert positions(1) == 1 and positions(5) == 8 and positions(8) == 8
     assert chunk_bounds(10, 3) == [(0, 4), (4, 7), (7, 10)]
@@ -108,7 +122,7 @@ def test_the_sampler_hands_out_the_same_leaves_at_every_world_size() -> None:
             got = leaves(world, length)
             assert sorted(map(tuple, got)) == sorted(map(tuple, one)), world
     s = GlobalBatchSampler(range(60), 20, 2, num_replicas=3, rank=2, deterministic=True)
-    assert s.leaves_per_step == 10 and s.micro_batches_per_step == 3
+    assert s.leaves_per_step == 10 and s.micro_batches_per_step == 2  # blocks of 4, 4, 2
     with pytest.raises(UsageError, match="needs micro_batch_size"):
         GlobalBatchSampler(range(60), 20, num_replicas=3, rank=0, deterministic=True)
     with pytest.raises(UsageError, match="cannot give each of num_replicas=12"):

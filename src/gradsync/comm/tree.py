@@ -30,6 +30,7 @@ place. The tests check that pieces folded on any number of ranks and combined gi
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Generic, TypeVar
 
@@ -40,11 +41,45 @@ Node = tuple[int, int]  # (first leaf, number of leaf positions): a node of the 
 
 def leaf_range(leaves: int, world_size: int, rank: int) -> range:
     """The leaves of a step of ``leaves`` leaves that ``rank`` of ``world_size`` holds: a
-    contiguous block, block sizes differing by at most one, the longer ones first (so the
-    blocks in rank order are the leaves in order)."""
+    contiguous block, the blocks in rank order being the leaves in order (:func:`leaf_blocks`)."""
+    return leaf_blocks(leaves, world_size)[rank]
+
+
+@functools.lru_cache(maxsize=64)
+def leaf_blocks(leaves: int, world_size: int) -> tuple[range, ...]:
+    """Every rank's block of leaves. Each holds at most ``ceil(leaves / world_size)`` (the
+    step's compute is its longest block's) and at least one when there are enough leaves. Of
+    two such cuts, the one whose ranks hold fewer pieces (:func:`dyadic_pieces`: what a rank
+    sends) at the most, the even one on a tie:
+
+    - *even*: sizes differ by at most one, the longer blocks first;
+    - *along the tree*: each boundary, rank by rank, at the position with the most trailing
+      zero bits (the latest on a tie) that leaves the ranks after it a feasible cut, so that
+      blocks begin and end where the tree's large subtrees do. 16 leaves on 3 ranks: even
+      ``[0, 6) [6, 11) [11, 16)`` has 2, 3 and 2 pieces; along the tree ``[0, 4) [4, 10)
+      [10, 16)`` has 1, 2 and 2.
+    """
     base, extra = divmod(leaves, world_size)
-    start = rank * base + min(rank, extra)
-    return range(start, start + base + int(rank < extra))
+    starts = [r * base + min(r, extra) for r in range(world_size + 1)]
+    even = tuple(range(a, b) for a, b in zip(starts[:-1], starts[1:], strict=True))
+    longest = -(-leaves // world_size)
+    bounds = [0]
+    for r in range(1, world_size):
+        after = world_size - r  # ranks still to place, one leaf each at least
+        ends = [
+            e for e in range(bounds[-1] + 1, bounds[-1] + longest + 1)
+            if min(after, leaves) <= leaves - e <= after * longest
+        ]  # fmt: skip
+        if not ends:  # fewer leaves than ranks: the even cut
+            return even
+        bounds.append(max(ends, key=lambda e: ((e & -e).bit_length(), e)))
+    bounds.append(leaves)
+    cut = tuple(range(a, b) for a, b in zip(bounds[:-1], bounds[1:], strict=True))
+
+    def most_pieces(blocks: tuple[range, ...]) -> int:
+        return max(len(dyadic_pieces(b.start, b.stop)) for b in blocks)
+
+    return cut if most_pieces(cut) < most_pieces(even) else even
 
 
 def positions(leaves: int) -> int:

@@ -16,11 +16,12 @@ exchange is a reduce-scatter in which the owner of each chunk, not the wire, doe
 With one piece per rank (N a power of two dividing the leaves) a rank sends (N-1)/N of the
 bucket in step 2 and (N-1)/N in step 4: the bytes of a ring all-reduce. A rank with k pieces
 sends k (N-1)/N in step 2. The used flags and step tags after the gradients are small integers,
-exact in any order: they go by one small ``all_reduce`` beside the scatter.
+exact in any order: they travel up the tree too, in each rank's first piece (zeros in the
+others), with no collective of their own.
 
-Steps 2 and the flags' sum start when the bucket is full, during backward; steps 3 and 4 run
-when the reducer waits for the bucket (:class:`TreeHandle`), in bucket order on every rank, so
-the collectives are issued in the same order everywhere, all from the caller's thread.
+Step 2 starts when the bucket is full, during backward; steps 3 and 4 run when the reducer
+waits for the first bucket (:class:`TreeHandle`), for every bucket in bucket order, so the
+collectives are issued in the same order everywhere, all from the caller's thread.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from gradsync.comm.algorithm import CommStats
-from gradsync.comm.hook import BucketLike, CommHook, tail
+from gradsync.comm.hook import BucketLike, CommHook
 from gradsync.comm.tree import Node, combine, dyadic_pieces, leaf_range
 from gradsync.errors import UsageError
 
@@ -136,8 +137,9 @@ def chunk_bounds(numel: int, parts: int) -> list[tuple[int, int]]:
 
 
 class TreeHandle:
-    """One bucket's exchange in flight: the scatter and the flags' sum run from :meth:`__init__`;
-    the first :meth:`wait` combines this rank's chunk and gathers every chunk into the bucket."""
+    """One bucket's exchange in flight: the scatter starts in :meth:`__init__`; the first
+    :meth:`wait` combines this rank's chunk (and the other buckets', :meth:`TreeExchange.advance`)
+    and gathers every chunk into the bucket's buffer."""
 
     def __init__(
         self,
@@ -148,7 +150,7 @@ class TreeHandle:
     ) -> None:
         self.owner, self.bucket, self.layout = owner, bucket, layout
         n, rank = owner.world_size, owner.rank
-        grads = bucket.grads
+        grads = bucket.buffer  # the gradients, used flags and tail: all summed up the tree
         self.bounds = chunk_bounds(grads.numel(), n)
         self.done = False
         if n == 1:
@@ -168,8 +170,6 @@ class TreeHandle:
         self.scatter = dist.all_to_all_single(
             self.received, send, sizes_out, sizes_in, group=owner.group, async_op=True
         )
-        exact = tail(bucket)  # used flags (and bucket 0's tail): small integers
-        self.flags = dist.all_reduce(exact, group=owner.group, async_op=True)
         element = grads.element_size()
         stats.bytes_sent += (sum(sizes_in) - sizes_in[rank]) * element
         stats.bytes_received += (sum(sizes_out) - sizes_out[rank]) * element
@@ -180,9 +180,9 @@ class TreeHandle:
         pieces = dict(zip(self.layout.pieces[0], mine, strict=True))
         root = combine(pieces, self.layout.total)
         if root is None:
-            self.bucket.grads.zero_()
-        elif root.data_ptr() != self.bucket.grads.data_ptr():
-            self.bucket.grads.copy_(root)
+            self.bucket.buffer.zero_()
+        elif root.data_ptr() != self.bucket.buffer.data_ptr():
+            self.bucket.buffer.copy_(root)
         self.done = True
 
     def is_completed(self) -> bool:
@@ -190,18 +190,17 @@ class TreeHandle:
             return True
         if self.gather is None:
             return False
-        return bool(self.gather.is_completed() and self.flags.is_completed())
+        return bool(self.gather.is_completed())
 
     def wait(self, timeout: timedelta | None = None) -> bool:
         if self.done:
             return True
         if self.gather is None:
             self.owner.advance(timeout)
-        for work in (self.gather, self.flags):
-            work.wait(timeout) if timeout is not None else work.wait()
+        self.gather.wait(timeout) if timeout is not None else self.gather.wait()
         gathered, width = self.gathered, max(b - a for a, b in self.bounds)
         assert gathered is not None
-        grads = self.bucket.grads
+        grads = self.bucket.buffer
         for c, (a, b) in enumerate(self.bounds):
             grads[a:b].copy_(gathered[c * width : c * width + (b - a)])
         self.done = True
@@ -224,7 +223,7 @@ class TreeHandle:
                 chunks[node] = self.received[offset : offset + length]
                 offset += length
         width = max(b - a for a, b in self.bounds)
-        mine = self.bucket.grads.new_zeros(width)
+        mine = self.bucket.buffer.new_zeros(width)
         root = combine(chunks, layout.total)
         if root is not None:
             mine[:length].copy_(root)

@@ -110,11 +110,16 @@ class LeafBucket(AccumulatingBucket):
     @property
     def pieces(self) -> list[tuple[Node, torch.Tensor]]:
         """This rank's pieces of the step (after the last leaf joined them), each laid out as
-        the bucket's gradients."""
-        out, where = [], list(zip(self.spec.offsets, self.views, strict=True))
+        the bucket's buffer: its gradients, then, in the first piece, the bucket's used flags
+        and tail (small integers, exact in any order: they travel with the tree) and zeros in
+        the others."""
+        out: list[tuple[Node, torch.Tensor]] = []
+        where = list(zip(self.spec.offsets, self.views, strict=True))
+        n = self.grads.numel()
         for node, grads in self.fold.pieces():
-            flat = self.grads.new_empty(self.grads.shape)
+            flat = self.buffer.new_empty(self.buffer.shape)
             torch._foreach_copy_([flat[a : a + v.numel()].view(v.shape) for a, v in where], grads)
+            flat[n:].copy_(self.buffer[n:]) if not out else flat[n:].zero_()
             out.append((node, flat))
         return out
 
