@@ -16,8 +16,8 @@ variant computes the same thing and only the reduction differs:
 Per variant: the median step time of the slowest rank over every timed step; the gradient bytes
 each rank hands the wire per step (max rank): what the exchange counts for the deterministic
 mode, a ring all-reduce's ``2 (N-1)/N`` of the gradients for the others; on a simulated cluster
-also the bytes the busiest node's link actually sent per step (``/proc/net/dev`` in its namespace: every
-collective, headers included).
+also the bytes the busiest node's link actually sent per step (``/proc/net/dev`` in its
+namespace: every collective, headers included).
 """
 
 from __future__ import annotations
