@@ -13,8 +13,8 @@ its own backward on whichever rank holds it. The step's gradient is the sum of t
 one binary tree that depends only on ``L``: the complete binary tree over ``P`` leaf positions,
 ``P`` the smallest power of two ``>= L``, in which a node is the sum ``left + right`` of its
 children, or the one child that holds any leaf. (A leaf position past the step's last leaf holds
-nothing, so a short last step is a subtree of the same tree.) Where ``g_i`` is computed never
-enters; only ``i`` does.
+nothing, so a short last step is summed by the same tree, its empty positions skipped.) Where
+``g_i`` is computed never enters; only ``i`` does.
 
 Rank ``r`` of N holds a contiguous block of leaves (:func:`leaf_range`). It adds its leaves into
 every *maximal aligned dyadic* interval of its block (:func:`dyadic_pieces`), each one a node of
