@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from gradsync.comm.ring import chunk_bounds
 from gradsync.comm.tree import (
     TreeFold,
     combine,
@@ -16,15 +17,9 @@ from gradsync.comm.tree import (
     naive_tree_sum,
     positions,
 )
-from gradsync.comm.tree_exchange import StepLayout, chunk_bounds
+from gradsync.comm.tree_exchange import StepLayout
 from gradsync.data import GlobalBatchSampler
 from gradsync.errors import UsageError
-
-
-def _even(leaves: int, world: int, rank: int) -> tuple[int, int]:
-    base, extra = divmod(leaves, world)
-    start = rank * base + min(rank, extra)
-    return start, start + base + int(rank < extra)
 
 
 def _leaves(count: int) -> list[torch.Tensor]:
@@ -81,7 +76,7 @@ def test_blocks_tile_the_leaves_in_rank_order_and_are_cut_along_the_tree() -> No
             blocks = leaf_blocks(leaves, world)
             assert [i for b in blocks for i in b] == list(range(leaves))
             assert max(map(len, blocks)) == -(-leaves // world) and min(map(len, blocks)) >= 1
-            even = tuple(range(a, b) for a, b in (_even(leaves, world, r) for r in range(world)))
+            even = tuple(range(a, b) for a, b in chunk_bounds(leaves, world))
             assert most_pieces(blocks) <= most_pieces(even)
     assert leaf_blocks(16, 3) == (range(0, 4), range(4, 10), range(10, 16))  # 1, 2, 2 pieces
     assert leaf_blocks(16, 4) == (range(0, 4), range(4, 8), range(8, 12), range(12, 16))

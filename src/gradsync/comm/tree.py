@@ -36,6 +36,8 @@ from typing import Generic, TypeVar
 
 import torch
 
+from gradsync.comm.ring import chunk_bounds
+
 Node = tuple[int, int]  # (first leaf, number of leaf positions): a node of the tree
 
 
@@ -59,9 +61,7 @@ def leaf_blocks(leaves: int, world_size: int) -> tuple[range, ...]:
       ``[0, 6) [6, 11) [11, 16)`` has 2, 3 and 2 pieces; along the tree ``[0, 4) [4, 10)
       [10, 16)`` has 1, 2 and 2.
     """
-    base, extra = divmod(leaves, world_size)
-    starts = [r * base + min(r, extra) for r in range(world_size + 1)]
-    even = tuple(range(a, b) for a, b in zip(starts[:-1], starts[1:], strict=True))
+    even = tuple(range(a, b) for a, b in chunk_bounds(leaves, world_size))
     longest = -(-leaves // world_size)
     bounds = [0]
     for r in range(1, world_size):

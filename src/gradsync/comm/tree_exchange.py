@@ -35,6 +35,7 @@ import torch.distributed as dist
 
 from gradsync.comm.algorithm import CommStats
 from gradsync.comm.hook import BucketLike, CommHook
+from gradsync.comm.ring import chunk_bounds
 from gradsync.comm.tree import Node, combine, dyadic_pieces, leaf_range
 from gradsync.errors import UsageError
 
@@ -129,13 +130,6 @@ class StepLayout:
         ]
 
 
-def chunk_bounds(numel: int, parts: int) -> list[tuple[int, int]]:
-    """``numel`` elements cut into ``parts`` contiguous chunks, sizes differing by at most one."""
-    base, extra = divmod(numel, parts)
-    starts = [c * base + min(c, extra) for c in range(parts + 1)]
-    return list(zip(starts[:-1], starts[1:], strict=True))
-
-
 class TreeHandle:
     """One bucket's exchange in flight: the scatter starts in :meth:`__init__`; the first
     :meth:`wait` combines this rank's chunk (and the other buckets', :meth:`TreeExchange.advance`)
@@ -150,8 +144,9 @@ class TreeHandle:
     ) -> None:
         self.owner, self.bucket, self.layout = owner, bucket, layout
         n, rank = owner.world_size, owner.rank
-        grads = bucket.buffer  # the gradients, used flags and tail: all summed up the tree
-        self.bounds = chunk_bounds(grads.numel(), n)
+        buffer = bucket.buffer  # the gradients, used flags and tail: all summed up the tree
+        self.bounds = chunk_bounds(buffer.numel(), n)
+        self.width = max(b - a for a, b in self.bounds)  # every chunk gathered at this length
         self.done = False
         if n == 1:
             self._finish_alone(mine)
@@ -163,14 +158,14 @@ class TreeHandle:
         if len(mine) == 1:  # one piece: its chunks are in rank order already
             send = mine[0]
         else:
-            send = torch.cat([t[a:b] for a, b in self.bounds for t in mine]) if mine else grads[:0]
+            send = torch.cat([t[a:b] for a, b in self.bounds for t in mine]) if mine else buffer[:0]
         sizes_in = [len(mine) * (b - a) for a, b in self.bounds]
         sizes_out = [len(p) * (hi - lo) for p in layout.pieces]
-        self.received = grads.new_empty(sum(sizes_out))
+        self.received = buffer.new_empty(sum(sizes_out))
         self.scatter = dist.all_to_all_single(
             self.received, send, sizes_out, sizes_in, group=owner.group, async_op=True
         )
-        element = grads.element_size()
+        element = buffer.element_size()
         stats.bytes_sent += (sum(sizes_in) - sizes_in[rank]) * element
         stats.bytes_received += (sum(sizes_out) - sizes_out[rank]) * element
         self.gather: Any = None
@@ -198,11 +193,11 @@ class TreeHandle:
         if self.gather is None:
             self.owner.advance(timeout)
         self.gather.wait(timeout) if timeout is not None else self.gather.wait()
-        gathered, width = self.gathered, max(b - a for a, b in self.bounds)
+        gathered, width = self.gathered, self.width
         assert gathered is not None
-        grads = self.bucket.buffer
+        buffer = self.bucket.buffer
         for c, (a, b) in enumerate(self.bounds):
-            grads[a:b].copy_(gathered[c * width : c * width + (b - a)])
+            buffer[a:b].copy_(gathered[c * width : c * width + (b - a)])
         self.done = True
         return True
 
@@ -222,7 +217,7 @@ class TreeHandle:
             for node in pieces:
                 chunks[node] = self.received[offset : offset + length]
                 offset += length
-        width = max(b - a for a, b in self.bounds)
+        width = self.width
         mine = self.bucket.buffer.new_zeros(width)
         root = combine(chunks, layout.total)
         if root is not None:

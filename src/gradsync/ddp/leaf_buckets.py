@@ -1,8 +1,8 @@
 """The deterministic mode's bucket: each leaf's gradients kept apart, added in tree order.
 
 A :class:`LeafBucket` owns its parameters' gradients like an ``AccumulatingBucket`` (each hook
-takes the gradient, in the bucket's dtype, and frees ``.grad``), but keeps each leaf apart, in
-a buffer of its own: when a leaf's backward ends, that buffer joins the bucket's
+takes the gradient, in the bucket's dtype, and frees ``.grad``), but keeps each leaf apart, as
+the list of its gradients: when a leaf's backward ends, that list joins the bucket's
 :class:`~gradsync.comm.tree.TreeFold`, which adds it to the others in the fixed tree's order
 ([Note: the fixed leaf tree] in ``comm/tree.py``). The last leaf of a step is the synchronised
 backward: when the bucket is full its leaf joins the fold too, and the comm hook

@@ -51,17 +51,20 @@ def reference_backward(
     return total / leaves if reduction == "mean" else total
 
 
-def rank_backward(
-    wrapped: nn.Module, loss_fn: LossFn, batch: Batch, leaves: int, rank: int, world_size: int
-) -> float:
-    """This rank's leaves of the step through the wrapper; returns the sum of their losses."""
-    mine = leaf_range(leaves, world_size, rank)
-    pieces = cut(batch, leaves)
+def rank_leaves(batch: Batch, leaves: int, rank: int, world_size: int) -> list[Batch]:
+    """This rank's leaves of the global batch ``batch``, in order."""
+    every = cut(batch, leaves)
+    return [every[i] for i in leaf_range(leaves, world_size, rank)]
+
+
+def rank_backward(wrapped: nn.Module, loss_fn: LossFn, mine: list[Batch]) -> float:
+    """This rank's leaves ``mine`` of the step through the wrapper, ``no_sync()`` on all but
+    the last; returns the sum of their losses."""
     total = 0.0
-    for j, i in enumerate(mine):
+    for j, leaf in enumerate(mine):
         last = j == len(mine) - 1
         with nullcontext() if last else wrapped.no_sync():  # type: ignore[operator]
-            loss = loss_fn(wrapped, pieces[i])
+            loss = loss_fn(wrapped, leaf)
             loss.backward()
         total += float(loss.item())
     return total

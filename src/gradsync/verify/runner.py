@@ -301,15 +301,19 @@ def _rank_main(rank: int, world_size: int, cfg: VerifyConfig, ref: _Reference) -
     opt = _optimizer(cfg, [p for p in params if p.requires_grad])
     before = flat(params)
     for step in range(cfg.steps):
-        where = f"batch_fn({rank}, {world_size}, {step})"
-        batch = inj.rank_batch(batch_fn, rank, world_size, step, cfg.inject, spe)
-        batch = _as_batch(cfg, batch, where)
-        out.samples.append(sample_fingerprints(batch))
-        opt.zero_grad()
         if cfg.deterministic:  # every rank its leaves of the global batch
-            batch = _as_batch(cfg, batch_fn(0, 1, step), where)
-            args = (wrapped, loss_fn, batch, cfg.deterministic, rank, world_size)
-            loss = torch.tensor(leaves.rank_backward(*args))
+            where = f"batch_fn(0, 1, {step})"
+            whole = _as_batch(cfg, batch_fn(0, 1, step), where)
+            mine = leaves.rank_leaves(whole, cfg.deterministic, rank, world_size)
+            out.samples.append([s for leaf in mine for s in sample_fingerprints(leaf)])
+        else:
+            where = f"batch_fn({rank}, {world_size}, {step})"
+            batch = inj.rank_batch(batch_fn, rank, world_size, step, cfg.inject, spe)
+            batch = _as_batch(cfg, batch, where)
+            out.samples.append(sample_fingerprints(batch))
+        opt.zero_grad()
+        if cfg.deterministic:
+            loss = torch.tensor(leaves.rank_backward(wrapped, loss_fn, mine))
         else:
             loss = loss_fn(wrapped, batch)
             loss.backward()
