@@ -137,7 +137,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--tolerance", type=float, default=None, help="PASS threshold")
     p.add_argument("--no-reference", action="store_true", help="skip the 1-process comparison")
-    p.add_argument("--timeout-s", type=float, default=120.0, help="process-group timeout")
+    p.add_argument("--timeout-s", type=float, default=120.0, help="process group + gradsync (s)")
     p.add_argument("--losses-out", help="write the loss every 10 steps (mean over ranks), JSON")
     p.add_argument("--log-samples", help="append each rank's sample indices per step (JSON lines)")
     p.add_argument(
@@ -366,6 +366,7 @@ def main(argv: list[str] | None = None) -> int:
         model, bucket_cap_mb=args.bucket_cap_mb, compression=make_compression(args),
         reduction="item_mean" if by_global_batch else "mean",
         deterministic=sampler.leaves_per_step if args.deterministic else None,
+        timeout=timedelta(seconds=args.timeout_s),  # a lost peer is named within it
     )  # fmt: skip
     if args.compression == "torch-powersgd":  # torch's hook counts from 2 exact steps at least
         start = max(2, args.powersgd_start_iter)
