@@ -115,6 +115,8 @@ class Bucket:
         for slot in self.arrived:
             param, view = self.params[slot], self.views[slot]
             grad = param.grad
+            if grad is not None and grad.requires_grad:  # create_graph=True: the values only
+                grad = grad.detach()  # ([Note: gradients with a graph] in graph_grads.py)
             if self.layouts[slot] is not None or grad is None:
                 self._copy_in(slot, scale, self.as_view)  # DTensor: [Note: Partial gradients]
             elif grad.data_ptr() == view.data_ptr():
@@ -157,6 +159,7 @@ class Bucket:
             return
         if layout is not None:
             grad = layout.local_grad(grad)  # see [Note: Partial gradients]
+        grad = grad.detach()  # create_graph=True: the values only (checks/graph_grads.py)
         if grad.data_ptr() != view.data_ptr():
             if scale is None:
                 view.copy_(grad)

@@ -19,6 +19,7 @@ from gradsync.comm.tree import leaf_range
 from gradsync.ddp import owners
 from gradsync.ddp.buckets import AccumulatingBucket, Bucket
 from gradsync.ddp.checks import tags
+from gradsync.ddp.checks.graph_grads import check_graph_grads, is_graph_grad
 from gradsync.ddp.checks.param_watch import ParameterWatch
 from gradsync.ddp.checks.readout import read_step, unused_somewhere
 from gradsync.ddp.checks.tags import NO_ITEMS, PARAMS_CHANGED, StepTag
@@ -233,13 +234,16 @@ class Reducer(TorchReducerMethods):
             pass
         elif phase is Phase.ACCUMULATING:
             if window.backward_began():  # the first gradient: decide() no longer changes it
+                check_graph_grads(self.options, self.buckets)  # create_graph=True?
                 self.marks.backward_began()  # under no_sync: its end is marked by a callback
                 self.leaf_steps.end_leaf_with_backward()  # deterministic mode: a leaf ends
             self.buckets[b].accumulate(slot)  # main gradients add up in the bucket
             return
         elif phase is Phase.UNPREPARED:
-            raise gradient_without_forward(self.names[index], self.rank)
+            through_grad = is_graph_grad(self.params[index])
+            raise gradient_without_forward(self.names[index], self.rank, through_grad)
         else:  # ARMED: the first gradient of a synchronised backward
+            check_graph_grads(self.options, self.buckets)
             self._start_reduction()
         if self.buckets[b].ready[slot]:
             raise gradient_twice(self.names[index])
@@ -369,8 +373,9 @@ class Reducer(TorchReducerMethods):
 
     def _write_back(self, counts: list[list[float]]) -> None:
         copies = [c for b, n in zip(self.buckets, counts, strict=True) for c in b.results(n)]
-        if copies:  # one call instead of one per parameter
-            torch._foreach_copy_([dst for dst, _ in copies], [src for _, src in copies])
+        if copies:  # one call instead of one per parameter; unrecorded: [Note: gradients
+            with torch.no_grad():  # with a graph] in checks/graph_grads.py
+                torch._foreach_copy_([dst for dst, _ in copies], [src for _, src in copies])
         if self.main_grads:
             stamp_grads(self.params)  # [Note: clipping main gradients]
 

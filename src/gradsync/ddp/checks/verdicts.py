@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from gradsync.ddp.checks.diagnostics import check_replicas
+from gradsync.ddp.checks.graph_grads import ALL_REDUCE
 from gradsync.ddp.checks.param_watch import ParameterWatch
 from gradsync.ddp.checks.readout import StepReadout, unused_somewhere
 from gradsync.ddp.checks.tags import (
@@ -153,8 +154,17 @@ def raise_nonfinite(bad_buckets: list[int], here: list[str], step: StepContext) 
     )
 
 
-def gradient_without_forward(name: str, rank: int) -> ProtocolError:
-    """A hook fired though no forward ran through the wrapper since the last reduction."""
+def gradient_without_forward(name: str, rank: int, through_grad: bool) -> ProtocolError:
+    """A hook fired though no forward ran through the wrapper since the last reduction;
+    ``through_grad``: by a backward through gradients that carry a graph."""
+    if through_grad:  # see [Note: gradients with a graph] in graph_grads.py
+        return ProtocolError(
+            f"parameter '{name}' got a gradient on rank {rank} from a backward through "
+            "gradients made with create_graph=True: gradsync synchronises one backward per "
+            "forward, so this one would stay this rank's own. Take the second derivative "
+            "with torch.autograd.grad(..., inputs=params): each rank gets its part; "
+            f"{ALL_REDUCE}."
+        )
     return ProtocolError(
         f"parameter '{name}' got a gradient on rank {rank}, but no forward ran through the "
         "DistributedDataParallel wrapper since the last synchronised backward, so this "
