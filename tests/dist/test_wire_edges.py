@@ -1,6 +1,7 @@
 """Compressed wires at the edges (real gloo ranks, one spawn): PowerSGD's state across a
-skipped NaN step, a parameter unused on every rank, fp32 main gradients, a second model,
-loads that do not fit and one loaded on one rank only; an fp16 wire that overflows.
+skipped NaN step, a parameter unused on every rank, fp32 main gradients, a second model, the
+state of a model that is gone passed to the next, loads that do not fit and one loaded on one
+rank only; an fp16 wire that overflows.
 
 Each case checks what the user is promised: skipping a refused step skips it for PowerSGD
 too (bit for bit the run that never had that step), an unused parameter's error feedback is
@@ -8,6 +9,7 @@ kept, and a state that cannot be loaded is refused on every rank with nothing lo
 
 from __future__ import annotations
 
+import gc
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powerSGD
 
 import gradsync
 from gradsync.checkpoint import Checkpointer
@@ -146,6 +149,37 @@ def bad_loads(rank: int, folder: str) -> dict[str, str]:
     return out
 
 
+def train_three(rank: int, psgd: PowerSGD) -> dict[str, torch.Tensor]:
+    model = new_mlp()
+    ddp = wrap(model, compression=psgd)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(3):
+        opt.zero_grad()
+        F.mse_loss(ddp(*batch(step, rank)[:1]), batch(step, rank)[1]).backward()
+        opt.step()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def reused_state(rank: int, world: int) -> dict[str, Any]:
+    """A sweep in one process: the wire state of a model that is gone, passed to the next."""
+    psgd = PowerSGD(2)
+    train_three(rank, psgd)  # the first model and its wrapper are gone when this returns
+    gc.collect()
+    out: dict[str, Any] = {
+        "reused": train_three(rank, psgd),
+        "fresh": train_three(rank, PowerSGD(2)),
+    }
+    state = powerSGD.PowerSGDState(None, matrix_approximation_rank=2)
+    first = wrap(new_mlp())
+    first.register_comm_hook(state, powerSGD.powerSGD_hook)
+    del first
+    gc.collect()
+    out["torch_state"] = outcome(
+        lambda: wrap(new_mlp()).register_comm_hook(state, powerSGD.powerSGD_hook)
+    )
+    return out
+
+
 def fp16_overflow(rank: int) -> str:
     """Finite inputs whose sum exceeds fp16's range: inf after the reduction."""
     model = nn.Linear(1, 1, bias=False)
@@ -207,3 +241,11 @@ def test_wire_edges(tmp_path: Path) -> None:
         assert overflow.startswith("NonFiniteGradientError"), overflow
         assert "no rank had any before communication" in overflow
     assert torch.equal(results[0]["main_grads"]["main_grad"], results[1]["main_grads"]["main_grad"])
+
+
+def test_wire_state_of_a_model_that_is_gone_is_never_mixed_into_the_next(tmp_path: Path) -> None:
+    for r in spawn(reused_state, 2, timeout_s=120):  # PowerSGD: the next model starts fresh
+        for name, value in r["fresh"].items():
+            assert torch.equal(r["reused"][name], value), name
+        said = r["torch_state"]  # torch's PowerSGDState: refused, on every rank
+        assert said.startswith("UsageError") and "already served another" in said, said

@@ -116,14 +116,18 @@ class PowerSGD:
         """Create the state of every compressed parameter not seen before (kept across
         re-wraps of ``owner``, the wrapped module); a parameter whose shape changed since is
         refused, and so is a second live model: the state is keyed by parameter name, so two
-        models would share (and corrupt) each other's. The state is kept in ``grad_dtype``
-        (the buckets' dtype: ``main_grad_dtype``) or else each parameter's own."""
+        models would share (and corrupt) each other's. A model wrapped after the one served
+        is gone (a sweep in one process) starts from a fresh state, as with a new object: the
+        old error feedback would be added to its gradients. The state is kept in
+        ``grad_dtype`` (the buckets' dtype: ``main_grad_dtype``) or else each parameter's own."""
         previous = self._owner() if self._owner is not None else None
         if previous is not None and owner is not None and previous is not owner:
             raise UsageError(
                 "this PowerSGD object already serves another model that is still alive (its "
                 "state is kept per parameter name); give each wrapped model its own PowerSGD"
             )
+        if previous is None and self._owner is not None and owner is not None:
+            self.step, self.q, self.error = 0, {}, {}  # the model served is gone
         if owner is not None:
             self._owner = weakref.ref(owner)
         for name, param in named_params:

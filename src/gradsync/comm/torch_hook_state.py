@@ -14,15 +14,24 @@ rank (the error buffers differ), each the bytes of a ``torch.save`` of tensors a
 read back with ``weights_only=True``, and ``torch_hook.iter``, the step count shared by all
 ranks; a resume then continues PowerSGD bit for bit. Other hook
 states: ``None`` and process groups hold nothing; a state object of your own is yours to save.
+
+A state object serves one wrapper: registered with a second one (a sweep that wraps a new
+model and passes the old ``PowerSGDState``), its error feedback would be added to the new
+model's gradients and its step count would skip the exact steps. It is recognised by the
+private group it was given at its first registration, and refused on every rank.
 """
 
 from __future__ import annotations
 
 import io
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
+
+from gradsync.errors import UsageError
 
 _COUNTERS = (
     "iter", "next_stats_report", "total_numel_before_compression",
@@ -94,3 +103,23 @@ def load_state_dict(state: Any, saved: dict[str, Any], rank: int, device: torch.
     state.rng.set_state((name, keys.numpy().astype("uint32"), pos, has_gauss, cached))
     for d in _PER_BUCKET:
         setattr(state, d, {i: t.to(device) for i, t in loaded[d].items()})
+
+
+# The private groups given to hook states at registration (torch_hooks.adopt_private_group).
+_ADOPTED: weakref.WeakSet[dist.ProcessGroup] = weakref.WeakSet()
+
+
+def adopted(group: dist.ProcessGroup) -> None:
+    """A state's ``process_group`` was set to a wrapper's private ``group``."""
+    _ADOPTED.add(group)
+
+
+def refuse_reused(state: object) -> None:
+    """Refuse a state that already served another wrapper (its group is that one's)."""
+    group = getattr(state, "process_group", None)
+    if isinstance(group, dist.ProcessGroup) and group in _ADOPTED:
+        raise UsageError(
+            f"this {type(state).__name__} already served another DistributedDataParallel: its "
+            "error feedback and step count belong to that model and would be added to this "
+            "one's gradients; create a new state object for each wrapped model"
+        )

@@ -21,9 +21,9 @@ rank and sum unrelated tensors. So the hook gets gradsync's private group (the w
 deadline group, which nothing in the user's code can use) wherever it would have used the
 wrapper's ranks: a ``state`` of ``None`` or a process group of exactly the wrapper's ranks is
 passed as that group, and a state's ``process_group`` attribute (``PowerSGDState``) that is
-``None`` or has the wrapper's ranks is set to it at registration. Any other group is left
-alone: collectives the hook issues there can interleave with those of the model's backward.
-"""
+``None`` or has the wrapper's ranks is set to it at registration (so a state that served
+another wrapper is recognised). Any other group is left alone: collectives the hook issues
+there can interleave with those of the model's backward."""
 
 from __future__ import annotations
 
@@ -54,12 +54,9 @@ class TorchHookAdapter(CommHook):
     the hook, the bucket and the cause, recorded with the deadline for the peers' errors."""
 
     def __init__(
-        self,
-        state: object,
-        hook: Callable[..., Any],
-        deadline: Deadline,
+        self, state: object, hook: Callable[..., Any], deadline: Deadline,
         bucket_numels: Sequence[int],
-    ) -> None:
+    ) -> None:  # fmt: skip
         self.state = state
         self.hook = hook
         self.deadline = deadline
@@ -164,6 +161,7 @@ def register(
     """
     try:
         check_registration(hook, wrapper)
+        torch_hook_state.refuse_reused(state)
     except GradsyncError as exc:
         if not wrapper.registered:  # a hook already agreed on stays announced
             announce(deadline, {"hook": f"none (its registration raised {_summary(exc)})"})
@@ -230,7 +228,7 @@ def check_registration(hook: Callable[..., Any], wrapper: WrapperFacts) -> None:
         raise UsageError(f"register_comm_hook cannot be combined with {what}")
 
 
-# -- the hook's process group: see [Note: the hook's process group] -------------------------------
+# -- the hook's process group: see [Note: the hook's process group]; reuse: torch_hook_state.py --
 def _ranks(group: object) -> list[int] | None:
     try:
         return dist.get_process_group_ranks(group)  # type: ignore[arg-type]
@@ -239,9 +237,8 @@ def _ranks(group: object) -> list[int] | None:
 
 
 def _is_wrappers(group: object, private: dist.ProcessGroup) -> bool:
-    return group is None or (
-        isinstance(group, dist.ProcessGroup) and _ranks(group) == _ranks(private)
-    )
+    same = isinstance(group, dist.ProcessGroup) and _ranks(group) == _ranks(private)
+    return group is None or same
 
 
 def state_for_hook(state: object, private: dist.ProcessGroup) -> object:
@@ -254,6 +251,7 @@ def adopt_private_group(state: object, private: dist.ProcessGroup) -> None:
     stands for the wrapper's ranks (this changes the user's state object)."""
     if hasattr(state, "process_group") and _is_wrappers(state.process_group, private):
         state.process_group = private
+        torch_hook_state.adopted(private)  # a second wrapper will refuse it
 
 
 # -- agreement across ranks ----------------------------------------------------------------------
