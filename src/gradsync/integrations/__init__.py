@@ -8,7 +8,8 @@
 Each keeps everything its framework does around the wrap (device placement, mixed precision,
 compile, gradient accumulation, clipping) and replaces only the construction of
 ``torch.nn.parallel.DistributedDataParallel``. The frameworks are optional dependencies, imported
-by these modules only: ``pip install 'gradsync[integrations]'``.
+by these modules only: ``pip install 'gradsync[integrations]'`` (in a clone of gradsync,
+``pip install -e '.[integrations]'``).
 
 This package's own module holds what the integrations share and imports no framework.
 """
@@ -23,6 +24,7 @@ from gradsync.ddp.wrapper import DistributedDataParallel
 from gradsync.errors import UsageError
 
 INSTALL = "pip install 'gradsync[integrations]'"
+INSTALL_FROM_CLONE = "pip install -e '.[integrations]'"  # at the root of a clone of gradsync
 
 
 def missing(package: str, needed_by: str, minimum: str | None = None) -> ImportError:
@@ -30,7 +32,7 @@ def missing(package: str, needed_by: str, minimum: str | None = None) -> ImportE
     wanted = f"{package}>={minimum}" if minimum else package
     return ImportError(
         f"gradsync: {needed_by} needs {wanted}; install it with {INSTALL} "
-        f"(or pip install '{wanted}')",
+        f"(in a clone of gradsync: {INSTALL_FROM_CLONE}), or pip install '{wanted}'",
         name=package,
     )
 
@@ -80,4 +82,4 @@ def wrapper_kwargs(
     return {**framework_kwargs, **ddp_options}
 
 
-__all__ = ["INSTALL", "missing", "require_version", "wrapper_kwargs"]
+__all__ = ["INSTALL", "INSTALL_FROM_CLONE", "missing", "require_version", "wrapper_kwargs"]

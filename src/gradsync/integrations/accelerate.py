@@ -10,6 +10,10 @@ refusals) stays Accelerate's own. ``GradsyncTrainer`` is an HF ``Trainer`` that 
 ``GradsyncAccelerator``.
 
 gradsync's own options (``reduction``, ``compression``, ``timeout``, ...) go in ``ddp_options``.
+
+Both refuse a launch of several processes that Accelerate did not make distributed (see
+:func:`_refuse_undistributed`): on a machine without GPUs, ``torchrun --nproc-per-node 2``
+needs ``cpu=True`` (``TrainingArguments(use_cpu=True)``), or ``ACCELERATE_USE_CPU=true``.
 """
 
 from __future__ import annotations
@@ -21,9 +25,11 @@ from collections.abc import Mapping
 from typing import Any, cast
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from gradsync.ddp.wrapper import DistributedDataParallel
+from gradsync.errors import UsageError
 from gradsync.integrations import missing, require_version, wrapper_kwargs
 
 try:
@@ -52,6 +58,43 @@ def _uses_ddp(accelerator: Accelerator) -> bool:
     )
 
 
+def _launched_processes() -> tuple[int, str]:
+    """How many processes of one torch.distributed job this process says it is one of, and what
+    says so: torchrun's (and ``accelerate launch``'s) WORLD_SIZE, else an initialised default
+    process group; 1 when neither. Not MPI's process counts (``PMI_SIZE``,
+    ``OMPI_COMM_WORLD_SIZE``), which Accelerate also reads with ``cpu=True``: ``mpirun`` also
+    starts independent one-process runs (a sweep), a legitimate use that an error would break."""
+    world_size = os.environ.get("WORLD_SIZE", "")
+    if world_size.isdigit() and int(world_size) > 1:
+        return int(world_size), f"WORLD_SIZE={world_size}"
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        return dist.get_world_size(), "torch.distributed's default process group"
+    return 1, ""
+
+
+def _refuse_undistributed(accelerator: Accelerator, fix: str) -> None:
+    """Raise :class:`UsageError` when the job was launched as several processes but
+    ``accelerator`` is not distributed (``distributed_type`` NO, one process).
+
+    Accelerate does that without a word when it finds no GPU (or other accelerator) and was not
+    told to use the CPU, or when LOCAL_RANK is unset and ``cpu`` is not given: every process
+    then trains its own copy of the model, nothing is synchronised, each process is rank 0 of
+    1, and all of them write the same checkpoints. Never a useful setup for a data-parallel
+    wrapper, so an error (on every rank: each reads its own state), not a warning."""
+    launched, source = _launched_processes()
+    if launched <= 1 or accelerator.use_distributed:
+        return
+    launcher = "" if "LOCAL_RANK" in os.environ else ", launched by torchrun or accelerate launch"
+    raise UsageError(
+        f"launched as {launched} processes ({source}), but Accelerate set up no distributed "
+        f"training (distributed_type {accelerator.distributed_type.value}, num_processes "
+        f"{accelerator.num_processes}): each process would train its own model, nothing "
+        "synchronised. Accelerate does so when it finds no GPU for each process and is not told "
+        f"to use the CPU. To train on CPU processes, {fix}, or set ACCELERATE_USE_CPU=true in "
+        f"the launch's environment; for GPUs, give each process one{launcher}"
+    )
+
+
 def _wrapper_kwargs(handler: Any, ddp_options: Mapping[str, Any]) -> dict[str, Any]:
     """The wrapper's keywords from Accelerate's DDP handler (or ``None``) and ``ddp_options``."""
     return wrapper_kwargs(
@@ -76,6 +119,7 @@ class GradsyncAccelerator(Accelerator):
 
     def __init__(self, *args: Any, ddp_options: Mapping[str, Any] | None = None, **kwargs: Any):
         super().__init__(*args, **kwargs)
+        _refuse_undistributed(self, "pass cpu=True to GradsyncAccelerator")
         self.ddp_options = dict(ddp_options or {})
         # Refuse a bad option now, and in a one-process run too: not only once launched on
         # several processes, at prepare() after other setup.
@@ -165,6 +209,7 @@ def _define_trainer() -> type:
 
         def create_accelerator_and_postprocess(self) -> None:
             super().create_accelerator_and_postprocess()
+            _refuse_undistributed(self.accelerator, "pass use_cpu=True to TrainingArguments")
             _wrapper_kwargs(self.accelerator.ddp_handler, self.ddp_options)  # refuse bad options
             if self.is_deepspeed_enabled or self.is_fsdp_enabled or not _uses_ddp(self.accelerator):
                 return  # no torch DDP to replace: keep Accelerate's own accelerator
