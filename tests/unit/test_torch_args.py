@@ -46,7 +46,8 @@ def test_every_torch_member_is_overridden_inherited_or_refused() -> None:
     assert not unplaced, f"torch DDP members gradsync has not placed: {unplaced}"
     stale = set(torch_surface.INHERITED) - set(members)
     assert not stale, f"listed as inherited but gone from torch: {stale}"
-    assert "__getstate__" in own  # pickling refuses instead of dropping a process group
+    # pickled as torch's is, the process group and hooks left out: [Note: a pickled wrapper]
+    assert {"__getstate__", "__setstate__"} <= own
 
 
 def _model() -> nn.Module:
@@ -154,10 +155,6 @@ def test_settings_and_torch_internals_refuse_changes(one_rank) -> None:  # type:
         ddp._set_static_graph()
     with pytest.raises(gradsync.UsageError, match="register_comm_hook"):
         ddp._register_builtin_comm_hook(None)
-    with pytest.raises(gradsync.UsageError, match="cannot be pickled"):
-        import copy
-
-        copy.deepcopy(ddp)
     assert ddp._get_ddp_logging_data()["can_set_static_graph"] is False
     ddp.train(False)
     assert not ddp.module.training

@@ -81,6 +81,10 @@ class PowerSGD:
         self.error: dict[str, torch.Tensor] = {}  # n x m, this rank's
         self._owner: weakref.ref[object] | None = None  # the module this state belongs to
 
+    def __getstate__(self) -> dict[str, Any]:
+        """A copy (with a pickled or deep-copied wrapper) serves the model copied with it."""
+        return {**self.__dict__, "_owner": None}
+
     def __repr__(self) -> str:
         return (
             f"PowerSGD(rank={self.rank}, min_compression_rate={self.min_compression_rate}, "

@@ -40,7 +40,8 @@ before it. Then it is TRAINING. It is FAILED once one of its collectives failed 
 (its process group may still hold that collective, so it issues no more) and RETIRED once a
 newer wrapper of the same parameters took their hooks over. :attr:`ForwardProtocol.lifecycle`
 is the one place that says which; FAILED and RETIRED are facts of the deadline and the reducer,
-read from them rather than copied.
+read from them rather than copied. An unpickled wrapper is LOADED (its module, not built)
+until its first use that involves the ranks builds it ([Note: a pickled wrapper]).
 """
 
 from __future__ import annotations
@@ -70,6 +71,7 @@ from gradsync.timing import StepTimeline
 class Lifecycle(enum.Enum):
     """Where a wrapper is in its life ([Note: the wrapper's lifecycle])."""
 
+    LOADED = "loaded"  # unpickled, built at its first use (compat/pickling.py)
     CONFIGURABLE = "configurable"  # built, no forward yet: shard_optimizer, register_comm_hook
     TRAINING = "training"  # a forward with grad enabled ran through it
     FAILED = "failed"  # a collective failed or timed out: it issues no more

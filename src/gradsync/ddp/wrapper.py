@@ -29,7 +29,7 @@ from gradsync.ddp.build import first_reducer
 from gradsync.ddp.checks.diagnostics import check_can_wrap, check_replicas
 from gradsync.ddp.checks.model import make_replicas_equal, refuse_everywhere
 from gradsync.ddp.checks.param_watch import ParameterWatch
-from gradsync.ddp.compat import torch_args
+from gradsync.ddp.compat import pickling, torch_args
 from gradsync.ddp.compat.torch_args import Device
 from gradsync.ddp.compat.torch_surface import TorchSurface
 from gradsync.ddp.forward import ForwardProtocol, Lifecycle, WrapperOps
@@ -59,10 +59,8 @@ class DistributedDataParallel(TorchSurface, TorchDDP):  # type: ignore[override,
 
     Args (torch's, in torch's order; what each does here is in ``compat/torch_args.py``):
         module: the model; every rank must hold the same parameter names, shapes, dtypes and
-            ``requires_grad`` flags (else ``ModelMismatchError``, a ``ValueError``, on every
-            rank).
-        device_ids, output_device, dim, broadcast_buffers, init_sync, process_group,
-            find_unused_parameters, gradient_as_bucket_view, static_graph and the rest:
+            ``requires_grad`` flags (else ``ModelMismatchError``, a ``ValueError``, everywhere).
+        device_ids, output_device, dim, broadcast_buffers, process_group and the rest:
             torch's meaning, or refused with what to use instead (``mixed_precision``,
             ``bucket_cap_mb_list``, the delayed all-reduce pair).
         bucket_cap_mb: bucket size in MiB. ``None`` or ``"scaled"`` (the default): an eighth
@@ -84,6 +82,7 @@ class DistributedDataParallel(TorchSurface, TorchDDP):  # type: ignore[override,
     _torch_hook: Callable[..., Any] | None = None  # set by register_comm_hook
     _sharded: sharding.ShardedSteps | None = None  # set by shard_optimizer
 
+    @pickling.remember_arguments  # for a pickled wrapper: compat/pickling.py
     def __init__(  # torch DDP's parameters in torch's order, then gradsync's own
         self, module: nn.Module, device_ids: Sequence[Device] | None = None,
         output_device: Device | None = None, dim: int = 0, broadcast_buffers: bool | None = None,
@@ -200,9 +199,8 @@ class DistributedDataParallel(TorchSurface, TorchDDP):  # type: ignore[override,
         return [(n, p) for n, p in self.module.named_parameters() if n not in ignore]
 
     def _named_buffers(self) -> list[tuple[str, torch.Tensor]]:
-        return [
-            (n, b) for n, b in self.module.named_buffers() if n not in self.parameters_to_ignore
-        ]
+        ignore = self.parameters_to_ignore
+        return [(n, b) for n, b in self.module.named_buffers() if n not in ignore]
 
     # -- the reducer: built here, replaced only here -------------------------------------------
     def _replace_reducer(
@@ -231,6 +229,8 @@ class DistributedDataParallel(TorchSurface, TorchDDP):  # type: ignore[override,
 
     @torch.compiler.disable(recursive=False)  # see _prepare_forward
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if pickling.LOADED in self.__dict__ and not torch.is_grad_enabled():  # not built yet
+            return self.module(*args, **kwargs)  # and nothing to synchronise: its module's
         args, kwargs = self._prepare_forward(args, kwargs)
         out = self._run_module(args, kwargs)
         self._forward_returned()
@@ -262,8 +262,8 @@ class DistributedDataParallel(TorchSurface, TorchDDP):  # type: ignore[override,
 
     @property
     def lifecycle(self) -> Lifecycle:
-        """Configurable, training, failed or retired ([Note: the wrapper's lifecycle])."""
-        return self._forward.lifecycle
+        """Loaded, configurable, training, failed or retired ([Note: the wrapper's lifecycle])."""
+        return Lifecycle.LOADED if pickling.LOADED in self.__dict__ else self._forward.lifecycle
 
     def _broadcast_buffers(self, src: int = 0) -> None:
         what = f"the broadcast of rank {src}'s buffers before a training forward"

@@ -19,13 +19,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.join import JoinHook
 
+from gradsync.ddp.compat import pickling
 from gradsync.ddp.compat.state_keys import strip_prefixes
 from gradsync.errors import UsageError
 
@@ -171,11 +172,46 @@ class TorchSurface:
     def train(self, mode: bool = True) -> Any:
         return nn.Module.train(self, mode)  # type: ignore[type-var]
 
-    def __getstate__(self) -> Any:
-        raise UsageError(
-            "a gradsync wrapper cannot be pickled or deep-copied (it holds process groups and "
-            "autograd hooks): save or copy model.module, or its state_dict(), and wrap again"
-        )
+    # pickling, as torch DDP allows: [Note: a pickled wrapper] in pickling.py
+    def __getstate__(self) -> dict[str, Any]:
+        wrapper: Any = self
+        state = {"module": wrapper.module, "training": wrapper.training}
+        if pickling.LOADED in self.__dict__:  # not built since it was loaded: as it was
+            return {**state, "arguments": self.__dict__[pickling.LOADED]}
+        arguments = self.__dict__[pickling.ARGS]
+        mid_step = wrapper.reducer.window.open  # a training forward since the last reduction
+        sharded = self._sharded is not None  # type: ignore[attr-defined]
+        hooked = self._torch_hook is not None  # type: ignore[attr-defined]
+        pickling.check_picklable(arguments, sharded, hooked, mid_step)
+        return {**state, "arguments": arguments}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        nn.Module.__init__(self)  # type: ignore[arg-type]
+        self.add_module("module", state["module"])  # type: ignore[attr-defined]
+        self.train(state["training"])
+        self.__dict__[pickling.LOADED] = state["arguments"]
+
+    def _build_if_loaded(self) -> bool:
+        """Build an unpickled wrapper now, a collective; ``False`` if it is built already."""
+        arguments = self.__dict__.pop(pickling.LOADED, None)
+        if arguments is None:
+            return False
+        training, sync = self.training, self.__dict__.get("_sync_backward", True)  # type: ignore[attr-defined]
+        init: Any = type(self).__init__
+        init(self, self.module, **arguments)  # type: ignore[attr-defined]
+        self.train(training)
+        self._sync_backward = sync  # require_backward_grad_sync, if set since loading
+        return True
+
+    if not TYPE_CHECKING:  # at run time only: to mypy, a missing attribute stays an error
+
+        def __getattr__(self, name: str) -> Any:
+            try:
+                return nn.Module.__getattr__(self, name)
+            except AttributeError:
+                if not self._build_if_loaded():
+                    raise
+            return getattr(self, name)  # built: the wrapper's own member
 
 
 for _name, _instead in REFUSED.items():
