@@ -4,8 +4,9 @@ Three gloo ranks; one of them sleeps 50 ms in one place: before fetching each ba
 loading) or in each backward (a gradient hook), with two micro-batches per step (the first under
 ``no_sync``), or in its forward, or in its optimizer step. Within the first report, at step 10,
 rank 0 logs that rank with the right phase, every rank holds the same report, and its buckets
-launched late by about the sleep. A balanced run of 50 steps names nobody. One spawn for all
-cases.
+launched late by about the sleep. A rank that sleeps 100 ms before its batch in only 2 of
+every 10 steps (a periodic stall) is never late in 80 % of them, but each report names it with
+what it cost. A balanced run of 50 steps names nobody. One spawn for all cases.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import gradsync
 from gradsync.testing.spawn import spawn
 
 SLOW_RANK, SLEEP = 2, 0.05
+STALL_RANK, STALL, STALL_STEPS = 1, 0.1, (3, 7)  # sleeps STALL s in these steps of every 10
 MICRO = {"data": 2, "backward": 2, "forward": 1, "optimizer": 1}  # micro-batches per step
 
 
@@ -60,6 +62,8 @@ def _train(rank: int, where: str, steps: int, micro: int = 1) -> dict[str, Any]:
     gen = torch.Generator().manual_seed(rank)
     try:
         for step in range(steps):
+            if rank == STALL_RANK and where == "stall" and step % 10 in STALL_STEPS:
+                time.sleep(STALL)
             for m in range(micro):
                 if slow and where == "data":
                     time.sleep(SLEEP)
@@ -77,6 +81,7 @@ def _train(rank: int, where: str, steps: int, micro: int = 1) -> dict[str, Any]:
 
 def _cases(rank: int, world: int) -> dict[str, Any]:
     out = {where: _train(rank, where, 10, MICRO[where]) for where in MICRO}
+    out["stall"] = _train(rank, "stall", 20)
     out["balanced"] = _train(rank, "none", 50)
     return out
 
@@ -112,11 +117,39 @@ def test_a_late_start_delays_every_bucket_launch(cases: list[dict[str, Any]], wh
     assert min(slow) > 0.7 * SLEEP * 1e3 > max(fast), (slow, fast)
 
 
+def test_a_periodic_stall_is_named_with_what_it_cost(cases: list[dict[str, Any]]) -> None:
+    reports = cases[0]["stall"]["reports"]  # at steps 9 and 19: steps 1-8, then 9-18
+    assert [r["stragglers"] for r in reports] == [[], []]  # late in 2 steps of 8 or 10
+    lines = [line for line in cases[0]["stall"]["lines"] if "was late in" in line]
+    assert len(lines) == 2, cases[0]["stall"]["lines"]
+    for report, of, line in zip(reports, (8, 10), lines, strict=True):
+        [stall] = report["stalls"]
+        assert (stall["rank"], stall["phase"], stall["late_in"], stall["of"]) == (
+            STALL_RANK, "data", 2, of), report  # fmt: skip
+        assert 0.7 * STALL * 1e3 < stall["late_ms"] < 2.0 * STALL * 1e3, report
+        # what the others waited, of the window's time: 2 sleeps of 100 ms against steps of
+        # about 20 ms (the share stays above 20 % unless the steps take 80 ms or more)
+        lost = report["ranks"][STALL_RANK]["lost_ms"]
+        assert stall["job_lost_pct"] == pytest.approx(100.0 * lost / report["window_ms"])
+        assert stall["job_lost_pct"] > 20.0, report
+        assert line == (
+            f"gradsync: rank {STALL_RANK} was late in 2 of the last {of} steps by "
+            f"{stall['late_ms']:.1f} ms, in data loading (between steps), costing the job "
+            f"{stall['job_lost_pct']:.0f}% of its time"
+        )
+    assert all(c["stall"]["reports"][1]["stalls"] == reports[1]["stalls"] for c in cases)
+    assert not cases[1]["stall"]["lines"] and not cases[2]["stall"]["lines"]
+    metrics = cases[0]["stall"]["metrics"]
+    assert metrics["gradsync/stalls"] == 1.0 and metrics["gradsync/stragglers"] == 0.0
+    assert metrics[f"gradsync/rank{STALL_RANK}/lost_pct"] > 20.0
+
+
 def test_a_balanced_run_names_nobody(cases: list[dict[str, Any]]) -> None:
     reports = cases[0]["balanced"]["reports"]
     assert len(reports) == 5
-    assert all(r["stragglers"] == [] for r in reports), reports
-    assert not [line for line in cases[0]["balanced"]["lines"] if "arrived late" in line]
+    assert all(r["stragglers"] == [] and r["stalls"] == [] for r in reports), reports
+    assert not [line for line in cases[0]["balanced"]["lines"] if "late in" in line]
+    assert cases[0]["balanced"]["metrics"]["gradsync/stalls"] == 0.0
 
 
 def test_the_figures_are_plain_numbers_for_a_metrics_logger(cases: list[dict[str, Any]]) -> None:

@@ -219,6 +219,57 @@ def test_a_rank_late_in_only_a_few_steps_is_not_named() -> None:
     assert attribute(window)["stragglers"] == []
 
 
+def _stall_window(step_ms: float, stall_ms: float, rank: int = 1) -> list:
+    """10 steps of ``step_ms`` on 4 ranks; ``rank`` spends ``stall_ms`` more loading data in
+    steps 2 and 7, and the others wait for it (every rank's interval grows by it)."""
+    window = []
+    for s in range(10):
+        stalled = s in (2, 7)
+        recs = []
+        for r in range(4):
+            mine, theirs = (stall_ms, 0.0) if r == rank else (0.0, stall_ms)
+            wait = step_ms / 4 + (theirs if stalled else 0.0)  # exposed_comm
+            recs.append(RankStep((step_ms / 4 + (mine if stalled else 0.0), step_ms / 4,
+                                  step_ms / 8, step_ms / 8, wait)))  # fmt: skip
+        window.append((s, recs))
+    return window
+
+
+def test_a_periodic_stall_is_named_with_its_share_of_the_windows_time() -> None:
+    # The issue's example: late by 40 ms in 2 of 10 steps of 20 ms. The others waited 80 ms
+    # of the window's 280 ms (8 steps of 20 ms, 2 of 60 ms): 28.6 %.
+    report = attribute(_stall_window(20.0, 40.0))
+    assert report["stragglers"] == [] and report["window_ms"] == pytest.approx(280.0)
+    [stall] = report["stalls"]
+    assert (stall["rank"], stall["phase"], stall["late_in"], stall["of"]) == (1, "data", 2, 10)
+    assert stall["late_ms"] == pytest.approx(40.0)  # the mean over the 2 steps, not the 10
+    assert stall["job_lost_pct"] == pytest.approx(100.0 * 80.0 / 280.0)
+    assert report["ranks"][1]["lost_ms"] == pytest.approx(80.0)
+    assert describe(report) == [
+        "gradsync: rank 1 was late in 2 of the last 10 steps by 40.0 ms, in data loading "
+        "(between steps), costing the job 29% of its time"
+    ]
+    flat = metrics(report)
+    assert flat["gradsync/stalls"] == 1.0 and flat["gradsync/stragglers"] == 0.0
+    assert flat["gradsync/rank1/lost_pct"] == pytest.approx(28.57, abs=0.01)
+    assert flat["gradsync/rank0/lost_pct"] == 0.0
+
+
+def test_a_stall_that_costs_little_or_is_short_is_only_a_figure() -> None:
+    # 40 ms in 2 of 10 steps of 100 ms: 80 of 1080 ms, 7.4 %, under the 20 % share
+    cheap = attribute(_stall_window(100.0, 40.0))
+    assert cheap["stalls"] == [] and cheap["ranks"][1]["lost_pct"] == pytest.approx(7.41, abs=0.01)
+    # 30 ms in 2 of 10 steps of 10 ms: 60 of 160 ms, 37.5 %, but by less than the 40 ms
+    # that a rank descheduled on a loaded machine can lose in a step
+    short = attribute(_stall_window(10.0, 30.0))
+    assert short["stalls"] == [] and short["ranks"][1]["lost_pct"] == pytest.approx(37.5)
+    assert attribute(_stall_window(10.0, 30.0), Thresholds(min_stall_ms=30.0))["stalls"]
+    # late in every step: named as a straggler, in one line, not as a stall as well
+    report = attribute(_window(10, late_rank=3, late_ms=40.0))
+    assert [s["rank"] for s in report["stragglers"]] == [3] and report["stalls"] == []
+    assert len(describe(report)) == 1
+
+
 def test_a_rank_that_sent_no_record_is_left_out() -> None:
     window = [(s, [*recs[:3], None]) for s, recs in _window(10, late_rank=1, late_ms=30.0)]
     report = attribute(window)
@@ -229,9 +280,11 @@ def test_a_rank_that_sent_no_record_is_left_out() -> None:
 
 def test_metrics_are_flat_numbers() -> None:
     flat = metrics(attribute(_window(10, late_rank=3, late_ms=40.0)))
-    assert flat["gradsync/stragglers"] == 1.0
+    assert flat["gradsync/stragglers"] == 1.0 and flat["gradsync/num_steps"] == 10.0
     assert flat["gradsync/rank3/late_ms"] == pytest.approx(40.0, abs=1.5)
     assert all(isinstance(v, float) for v in flat.values())
+    # A report of no step says so, not "no straggler".
+    assert metrics(attribute([])) == {"gradsync/num_steps": 0.0}
 
 
 def test_straggler_every_zero_measures_and_carries_nothing(one_rank: None) -> None:
@@ -246,6 +299,7 @@ def test_straggler_every_zero_measures_and_carries_nothing(one_rank: None) -> No
     assert off.reducer.buckets[0].tail.numel() == one_tag
     assert on.reducer.buckets[0].tail.numel() == one_tag + fields_per_rank(on.num_buckets)
     assert not off.timeline.history and len(on.timeline.history) == 2  # one step behind
+    assert off.timeline.metrics() == {"gradsync/num_steps": 0.0}  # not measured: no figures
     with pytest.raises(gradsync.UsageError, match="straggler_every"):
         gradsync.DistributedDataParallel(nn.Linear(2, 2), straggler_every=-1)
 

@@ -16,6 +16,19 @@ balanced runs measured on a loaded 2-core machine (``benchmarks/2026-11-26-strag
 at half of the steps, 2 of 78 windows of the main job's model named one). The phase named
 is the one in which the rank spent the most time over the median rank's, in the steps it was
 late; "the job lost X %" is its average lateness over the median interval.
+
+A rank that is slow only now and then (a *stall*: garbage collection, a checkpoint one rank
+writes, an evaluation on rank 0) is late in too few steps to be named so, whatever it costs.
+So every rank's cost is added up too: its lateness summed over the steps it was late in (by
+more than the threshold), as a share of the window's time (the sum of its steps' median
+intervals), which is the share of the window the others spent waiting for it. A rank not
+named above is reported as a stall if that share is at least ``min_cost`` (20 %) and it was
+late on average by at least ``min_stall_ms`` (40 ms) in those steps. The share alone does not
+separate a stall from noise on short steps: in balanced runs on the loaded 2-core machine
+(section 5 of the benchmark note: 344 windows) a rank that lost its core for a few steps cost
+a window of the 10-25 ms steps of a small MLP up to 32 % (4 of 270 windows at 20 % or more),
+but by at most 24 ms a step; the main job's 650 ms steps reached 9.7 %, the tests' tiny
+model 10.6 %. Both conditions together named no rank in any of those windows.
 """
 
 from __future__ import annotations
@@ -40,11 +53,13 @@ Window = Sequence[tuple[int, Sequence[RankStep | None]]]  # (step, every rank's 
 
 @dataclass(frozen=True)
 class Thresholds:
-    """When a rank counts as late; see [Note: naming a straggler]."""
+    """When a rank counts as late, or as a stall; see [Note: naming a straggler]."""
 
     min_late_ms: float = 5.0
     min_late_fraction: float = 0.05
     min_share: float = 0.8  # of the window's steps in which it must have been late
+    min_cost: float = 0.2  # of the window's time the others spent waiting for a stalling rank
+    min_stall_ms: float = 40.0  # its mean lateness in the steps it was late in, at least
 
 
 def _late_in(records: Sequence[RankStep | None]) -> dict[int, float]:
@@ -106,6 +121,36 @@ def _late_steps(steps: Window, floor: float) -> dict[int, list[int]]:
     return late_in
 
 
+def _phase(steps: Window, rank: int, late_in: Sequence[int]) -> tuple[str, float]:
+    """The phase in which ``rank`` spent the most over the median rank, on average over the
+    steps ``late_in`` (indices into ``steps``), and that excess."""
+    excess = dict.fromkeys(COMPUTE_PHASES, 0.0)
+    for i in late_in:
+        for p, v in _excess(steps[i][1], rank).items():
+            excess[p] += v / len(late_in)
+    phase = max(excess, key=lambda p: excess[p])
+    return phase, excess[phase]
+
+
+def _lost(steps: Window, late_in: dict[int, list[int]]) -> tuple[float, dict[int, float]]:
+    """The window's time (the sum of its steps' median intervals) and, per rank, the time the
+    others spent waiting for it: its lateness summed over the steps it was late in."""
+    window_ms = sum(
+        statistics.median(rec.interval for rec in recs if rec is not None) for _, recs in steps
+    )
+    lost = {r: sum(_late_in(steps[i][1])[r] for i in late) for r, late in late_in.items()}
+    return window_ms, lost
+
+
+def _stalled(entry: dict[str, Any], thresholds: Thresholds) -> bool:
+    """Whether a rank's figures (``lost_pct``, ``lost_ms``, ``late_in``) make it a stall."""
+    return (
+        entry["late_in"] > 0
+        and entry["lost_pct"] >= 100.0 * thresholds.min_cost
+        and entry["lost_ms"] / entry["late_in"] >= thresholds.min_stall_ms
+    )
+
+
 def attribute(window: Window, thresholds: Thresholds = Thresholds()) -> dict[str, Any]:
     """The report of ``window`` (the same on every rank: every rank holds every record)."""
     steps = [(s, recs) for s, recs in window if len(_late_in(recs)) >= 2]
@@ -113,47 +158,63 @@ def attribute(window: Window, thresholds: Thresholds = Thresholds()) -> dict[str
     step_ms = statistics.median(intervals) if intervals else 0.0
     floor = max(thresholds.min_late_ms, thresholds.min_late_fraction * step_ms)
     ranks, late_in = _rank_means(steps), _late_steps(steps, floor)
+    window_ms, lost = _lost(steps, late_in)
     for r, lateness in _bucket_lateness(steps).items():
         ranks[r]["bucket_late_ms"] = lateness
-    stragglers = []
+    stragglers, stalls = [], []
     for r, entry in ranks.items():
         entry["late_in"] = len(late_in.get(r, []))
-        if entry["late_in"] < max(1, thresholds.min_share * len(steps)):
-            continue
-        if entry["late_ms"] < floor:
-            continue
-        excess = dict.fromkeys(COMPUTE_PHASES, 0.0)
-        for i in late_in[r]:
-            for p, v in _excess(steps[i][1], r).items():
-                excess[p] += v / len(late_in[r])
-        phase = max(excess, key=lambda p: excess[p])
-        stragglers.append({
-            "rank": r, "phase": phase, "late_in": entry["late_in"], "of": len(steps),
-            "late_ms": entry["late_ms"], "phase_excess_ms": excess[phase],
-            "job_lost_pct": 100.0 * entry["late_ms"] / step_ms if step_ms else 0.0,
-        })  # fmt: skip
+        entry["lost_ms"] = lost.get(r, 0.0)
+        entry["lost_pct"] = 100.0 * entry["lost_ms"] / window_ms if window_ms else 0.0
+        persistent = entry["late_in"] >= max(1, thresholds.min_share * len(steps))
+        if persistent and entry["late_ms"] >= floor:
+            phase, excess = _phase(steps, r, late_in[r])
+            stragglers.append({
+                "rank": r, "phase": phase, "late_in": entry["late_in"], "of": len(steps),
+                "late_ms": entry["late_ms"], "phase_excess_ms": excess,
+                "job_lost_pct": 100.0 * entry["late_ms"] / step_ms if step_ms else 0.0,
+            })  # fmt: skip
+        elif _stalled(entry, thresholds):
+            phase, excess = _phase(steps, r, late_in[r])
+            stalls.append({
+                "rank": r, "phase": phase, "late_in": entry["late_in"], "of": len(steps),
+                "late_ms": entry["lost_ms"] / entry["late_in"], "phase_excess_ms": excess,
+                "job_lost_pct": entry["lost_pct"],
+            })  # fmt: skip
     stragglers.sort(key=lambda s: -s["late_ms"])
+    stalls.sort(key=lambda s: -s["job_lost_pct"])
     return {
         "steps": [steps[0][0], steps[-1][0]] if steps else [], "num_steps": len(steps),
-        "step_ms": step_ms, "threshold_ms": floor, "stragglers": stragglers, "ranks": ranks,
+        "step_ms": step_ms, "window_ms": window_ms, "threshold_ms": floor,
+        "stragglers": stragglers, "stalls": stalls, "ranks": ranks,
     }  # fmt: skip
 
 
 def describe(report: dict[str, Any]) -> list[str]:
-    """One line per straggler named in ``report``."""
+    """One line per straggler, then one per stall, named in ``report``."""
     return [
         f"gradsync: rank {s['rank']} arrived late in {s['late_in']} of the last {s['of']} "
         f"steps, +{s['late_ms']:.1f} ms/step, in {_WORDS[s['phase']]} (the job lost "
         f"{s['job_lost_pct']:.0f}% of its time waiting for it)"
         for s in report["stragglers"]
+    ] + [
+        f"gradsync: rank {s['rank']} was late in {s['late_in']} of the last {s['of']} steps by "
+        f"{s['late_ms']:.1f} ms, in {_WORDS[s['phase']]}, costing the job "
+        f"{s['job_lost_pct']:.0f}% of its time"
+        for s in report["stalls"]
     ]
 
 
 def metrics(report: dict[str, Any], prefix: str = "gradsync/") -> dict[str, float]:
     """``report`` as flat ``name -> number`` pairs, for TensorBoard's ``add_scalar`` or
-    ``wandb.log``."""
-    out = {f"{prefix}step_ms": float(report["step_ms"]),
-           f"{prefix}stragglers": float(len(report["stragglers"]))}  # fmt: skip
+    ``wandb.log``. A report of no step (the timeline off, one rank alone, no step measured
+    yet) is only ``num_steps: 0``: nothing was measured, which is not "no straggler"."""
+    out = {f"{prefix}num_steps": float(report["num_steps"])}
+    if not report["num_steps"]:
+        return out
+    out |= {f"{prefix}step_ms": float(report["step_ms"]),
+            f"{prefix}stragglers": float(len(report["stragglers"])),
+            f"{prefix}stalls": float(len(report["stalls"]))}  # fmt: skip
     for r, entry in report["ranks"].items():
         for key, value in entry.items():
             if isinstance(value, (int, float)):

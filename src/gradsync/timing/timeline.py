@@ -3,7 +3,8 @@
 The :class:`PhaseRecorder` marks this rank's phases; the first bucket carries each rank's
 record of the interval before the step (``slots.py``); after the step's readout every rank
 holds every rank's record, kept here for the last ``keep`` steps. Every ``every`` steps the
-last window is judged (``attribution.py``) and, if a rank made the others wait, rank 0 says so
+last window is judged (``attribution.py``) and, if a rank made the others wait in most steps
+(a straggler) or cost them a large share of the window in a few (a stall), rank 0 says so
 through :mod:`logging` (logger ``gradsync.stragglers``, level WARNING; a report that names
 nobody goes out at INFO). ``report()`` and ``metrics()`` give the same figures as plain data.
 """
@@ -86,13 +87,16 @@ class StepTimeline:
 
     def report(self, last: int | None = None) -> dict[str, Any]:
         """The straggler report of the last ``last`` steps (default: ``every``) as plain data:
-        ``stragglers`` (rank, phase, late_in, of, late_ms, job_lost_pct), ``step_ms``,
-        ``threshold_ms`` and, per rank, its mean phases and lateness (``ranks``)."""
+        ``stragglers`` (rank, phase, late_in, of, late_ms, job_lost_pct), ``stalls`` (the
+        same keys; late_ms is the mean over the steps it was late in), ``step_ms``,
+        ``window_ms``, ``threshold_ms`` and, per rank, its mean phases and lateness and what
+        the others lost waiting for it (``ranks``: late_in, lost_ms, lost_pct)."""
         window = list(self.history)[-(last or self.every or len(self.history)) :]
         return attribute(window, self.thresholds)
 
     def metrics(self, prefix: str = "gradsync/") -> dict[str, float]:
-        """The last report as flat ``name -> number`` pairs, for any metrics logger."""
+        """The last report as flat ``name -> number`` pairs, for any metrics logger; only
+        ``num_steps: 0`` while nothing was measured (``every=0``, one rank, no step yet)."""
         return metrics(self.last_report or self.report(), prefix)
 
     def _log(self, report: dict[str, Any]) -> None:
@@ -103,7 +107,9 @@ class StepTimeline:
             logger.warning(line)
         if not lines and report["steps"]:
             first, last = report["steps"]
+            lost = max((entry["lost_pct"] for entry in report["ranks"].values()), default=0.0)
             logger.info(
-                "gradsync: no straggler in steps %d-%d (median step %.1f ms, threshold %.1f ms)",
-                first, last, report["step_ms"], report["threshold_ms"],
+                "gradsync: no straggler in steps %d-%d (median step %.1f ms, threshold %.1f ms; "
+                "the most the job lost waiting for one rank: %.0f%% of its time)",
+                first, last, report["step_ms"], report["threshold_ms"], lost,
             )  # fmt: skip
