@@ -242,7 +242,7 @@ def test_parameter_changes_after_wrapping_are_named_on_every_rank(mistakes: list
     )
     for rank, out in enumerate(mistakes):
         assert out["rewrapped"] is None, (rank, out["rewrapped"])
-        assert out["old_wrapper"] and "replaced by a newer one" in out["old_wrapper"], out
+        assert out["old_wrapper"] and "wrapped again at" in out["old_wrapper"], out
         assert out["wrapper_of_wrapper"].startswith("UsageError"), out["wrapper_of_wrapper"]
 
 

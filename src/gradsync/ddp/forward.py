@@ -155,9 +155,12 @@ class ForwardProtocol:
         if state is Lifecycle.FAILED:
             self.deadline.check_usable()  # raises, saying what failed
         if state is Lifecycle.RETIRED:
+            by = self.ops.reducer().retired_by
             raise ProtocolError(
-                "this DistributedDataParallel was replaced by a newer one wrapping the same "
-                "parameters; use the new wrapper (the old one no longer synchronises anything)"
+                "this DistributedDataParallel no longer synchronises anything: its module's "
+                f"parameters were wrapped again{f' ({by})' if by else ''}, and the newer "
+                "wrapper took them over. A module is wrapped once: use the newer wrapper, or "
+                "remove the second wrap"
             )
         if self.ops.reducer().reducing:
             raise ProtocolError("forward called while a synchronised backward is still running")

@@ -14,8 +14,10 @@ wraps a model, not when gradsync is imported.
 
 from __future__ import annotations
 
+import traceback
 import weakref
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any, Protocol
 
 import torch
@@ -33,7 +35,7 @@ class Owner(Protocol):
     names: list[str]
     deadline: Deadline
 
-    def retire(self) -> None: ...
+    def retire(self, by: str | None = None) -> None: ...
 
 
 # id(parameter) -> the live reducer whose hooks it carries.
@@ -47,11 +49,20 @@ def take_over(reducer: Owner) -> None:
     for p in reducer.params:
         previous = _owners.get(id(p))
         if previous is not None and previous is not reducer:
-            previous.retire()
+            # A successor shares its wrapper's deadline; another wrapper is named by its call.
+            same_wrapper = previous.deadline is reducer.deadline
+            previous.retire(None if same_wrapper else f"wrapped again at {_caller()}")
         _owners[id(p)] = reducer
     if not _finder_added:
         agree.add_peer_finder(_wrapper_peers)
         _finder_added = True
+
+
+def _caller() -> str:
+    """``file:line`` of the innermost frame outside gradsync: the user's wrapping call."""
+    here = str(Path(__file__).resolve().parents[1])
+    frames = [f for f in traceback.extract_stack() if not f.filename.startswith(here)]
+    return f"{frames[-1].filename}:{frames[-1].lineno}" if frames else "an unknown place"
 
 
 def owner_of(params: Sequence[torch.Tensor]) -> Owner | None:

@@ -93,6 +93,7 @@ class Reducer(TorchReducerMethods):
         }
         self.window = StepWindow(len(self.params), self.world_size)
         self.retired = False  # a newer reducer (a new wrapper's, or a successor) took over
+        self.retired_by: str | None = None
         self.queue = LaunchQueue(self.buckets, comm_hook, self.marks, options.check_finite)
         self.leaf_steps = LeafSteps.of(self.buckets, comm_hook, deadline)  # deterministic mode
         self.num_reductions = 0  # completed synchronised backward passes, for tests and logs
@@ -167,12 +168,12 @@ class Reducer(TorchReducerMethods):
         self.num_reductions = num_reductions
         self.watch.rebase()  # loading wrote the parameters in place on every rank alike
 
-    def retire(self) -> None:
-        """Remove this reducer's hooks: a newer reducer of the same parameters replaces it."""
+    def retire(self, by: str | None = None) -> None:
+        """Remove the hooks: a newer reducer replaces this one (``by``: another wrapper's call)."""
         for handle in self._hooks:
             handle.remove()
         self._hooks = []
-        self.retired = True
+        self.retired, self.retired_by = True, by
 
     @property
     def reducing(self) -> bool:

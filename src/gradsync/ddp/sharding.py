@@ -45,7 +45,7 @@ optimizer state, the point of ZeRO-1, is sharded either way.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -59,7 +59,7 @@ from gradsync.ddp.checks.verdicts import per_rank_lines
 from gradsync.ddp.options import SyncOptions
 from gradsync.ddp.owners import deadline_peers
 from gradsync.ddp.plan import BucketSpec
-from gradsync.errors import GradsyncError, ParametersChangedError, UsageError
+from gradsync.errors import GradsyncError, ParametersChangedError, ProtocolError, UsageError
 from gradsync.failfast.deadline import Deadline
 from gradsync.mesh.dtensors import GradLayout
 from gradsync.optim import agree, clip
@@ -105,11 +105,16 @@ class ShardedSteps:
     """The wrapper's side of a sharded optimizer: each step runs under the wrapper's deadline,
     from the reduced gradients the reducer left in ``.grad``."""
 
-    def __init__(self, optimizer: ShardedOptimizer, deadline: Deadline, peers: agree.Peers) -> None:
+    def __init__(
+        self, optimizer: ShardedOptimizer, deadline: Deadline, peers: agree.Peers,
+        reductions: Callable[[], int],
+    ) -> None:  # fmt: skip
         assert deadline.group is not None
         self.optimizer = optimizer
         self.deadline = deadline
         self.peers = peers
+        self.reductions = reductions  # synchronised backwards so far
+        self._stepped_after: int | None = None  # reductions when the last step completed
         self.gather = _Gather(deadline.group)
         self._in_flight: list[Any] = []  # all-gathers of a step that raised before its wait
         self._step = 0
@@ -123,9 +128,13 @@ class ShardedSteps:
         self.wait_all()
         d.begin(f"the sharded optimizer's step {self._step + 1}")
         try:
+            reductions = self.reductions()
+            if reductions == self._stepped_after:  # before any collective: see step_again
+                raise step_again(d.rank, self._step)
             self.optimizer.check_step(self.peers)
             self._in_flight = self.optimizer.step_and_gather(self.gather.start)
             self._step += 1
+            self._stepped_after = reductions
             self.wait_all()
         except GradsyncError as exc:
             d.record_error(exc)  # so that a peer's timeout can name it
@@ -157,6 +166,20 @@ class ShardedSteps:
     def updates(self) -> int:
         """Optimizer steps taken: the same on every rank (for the step tags)."""
         return self._step
+
+
+def step_again(rank: int, steps: int) -> ProtocolError:
+    """A second ``opt.step()`` with no synchronised backward since the last one: every step
+    is a collective (a check, then all-gathers), so on one rank alone (a retry after a caught
+    exception) its collectives would pair with the others' next forward and backward, and the
+    backend aborts the process. Refused before the first collective, so the others' deadline
+    names this error instead of a lost peer."""
+    return ProtocolError(
+        f"opt.step() of the sharded optimizer ran again on rank {rank} with no synchronised "
+        f"backward since its step {steps}: under shard_optimizer() every rank steps once per "
+        "synchronised backward, together (a step is a collective). If a step raised, do not "
+        "retry it on one rank; skip the step on every rank (opt.zero_grad()) or stop"
+    )
 
 
 def refuse_unsupported(
@@ -191,6 +214,7 @@ def shard(
     deadline: Deadline,
     optimizer_class: type[torch.optim.Optimizer],
     defaults: dict[str, Any],
+    reductions: Callable[[], int],
 ) -> ShardedSteps:
     """The sharded steps of ``DistributedDataParallel.shard_optimizer``: a
     :class:`ShardedOptimizer` over the parameters ``named`` (the reducer's) whose flat buckets
@@ -203,7 +227,7 @@ def shard(
         params, optimizer_class, process_group=deadline.group, buckets=buckets, **defaults
     )
     names = {id(p): name for name, p in named}
-    return ShardedSteps(opt, deadline, deadline_peers(deadline, names))
+    return ShardedSteps(opt, deadline, deadline_peers(deadline, names), reductions)
 
 
 def _refuse_changed_parameters(changes: list[str], deadline: Deadline) -> None:

@@ -75,9 +75,8 @@ class DistributedDataParallel(TorchSurface, TorchDDP):  # type: ignore[override,
     ``"item_mean"``: divided by the items declared with :meth:`count_items`); ``algorithm``
     and ``compression`` (``None``, ``"bf16"``, ``"fp16"``, ``PowerSGD``); ``timeout`` (past
     it every waiting rank raises ``CollectiveTimeoutError``); ``check_finite``;
-    ``check_replicas_every``; ``main_grad_dtype`` (gradients into ``p.main_grad``);
-    ``straggler_every`` (steps per report of :attr:`timeline`, ``0``: off); ``deterministic``
-    (leaves per step: the same bits at any world size, ``ddp/deterministic.py``)."""
+    ``check_replicas_every``; ``main_grad_dtype`` (into ``p.main_grad``); ``straggler_every``
+    (steps per :attr:`timeline` report, ``0``: off); ``deterministic`` (``deterministic.py``)."""
 
     _torch_hook: Callable[..., Any] | None = None  # set by register_comm_hook
     _sharded: sharding.ShardedSteps | None = None  # set by shard_optimizer
@@ -339,10 +338,11 @@ class DistributedDataParallel(TorchSurface, TorchDDP):  # type: ignore[override,
         sharding.refuse_unsupported(self.options, self._layouts, self._torch_hook is not None)
         if self.lifecycle is not Lifecycle.CONFIGURABLE or self._sharded is not None:
             raise ProtocolError("shard_optimizer() must be called once, before the first forward")
-        reducer = self.reducer
+        reducer, me = self.reducer, weakref.proxy(self)  # the reducer in place at each step:
         steps = sharding.shard(
             reducer.specs, list(zip(reducer.names, reducer.params, strict=True)),
             reducer.watch.changes(), self._deadline, optimizer_class, defaults,
+            lambda: me.reducer.num_reductions,  # one step per synchronised backward
         )  # fmt: skip
         reducer.watch.count_with(steps.updates)  # each rank steps a different number of slices
         self._sharded = steps

@@ -26,7 +26,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-from gradsync.errors import CollectiveTimeoutError, UsageError
+from gradsync.errors import CollectiveTimeoutError, ProtocolError, UsageError
 from gradsync.failfast.arrivals import ArrivalRecords
 from gradsync.failfast.group import private_group, release_group
 from gradsync.mesh.dtensors import local
@@ -284,9 +284,15 @@ class Deadline:
 
     def gather_objects(self, obj: Any, what: str) -> list[Any]:
         """``dist.all_gather_object`` under the deadline (torch's has none): two all-gathers,
-        of the pickled sizes, then of the padded bytes."""
+        of the pickled sizes, then of the padded bytes.
+
+        Each rank's object travels with ``what``: a gradsync call made on some ranks only
+        (``shard_optimizer()`` on rank 0) pairs its gather with another gather of the others
+        (their next forward's), and without the names each rank would read the others'
+        objects as answers to its own question."""
         self.check_usable()
-        data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(self.device)
+        data = torch.frombuffer(bytearray(pickle.dumps((what, obj))), dtype=torch.uint8)
+        data = data.to(self.device)
         size = torch.tensor([data.numel()], dtype=torch.int64, device=self.device)
         sizes = [torch.empty_like(size) for _ in range(self.world_size)]
         self._wait_collective(dist.all_gather(sizes, size, group=self.group, async_op=True), what)
@@ -297,10 +303,19 @@ class Deadline:
         self._wait_collective(
             dist.all_gather(chunks, padded, group=self.group, async_op=True), what
         )
-        return [
+        every = [
             pickle.loads(c[: int(s.item())].cpu().numpy().tobytes())  # noqa: S301 (our peers)
             for c, s in zip(chunks, sizes, strict=True)
         ]
+        if any(their_what != what for their_what, _ in every):
+            at = "; ".join(f"rank {r} at {their_what}" for r, (their_what, _) in enumerate(every))
+            raise ProtocolError(
+                f"the ranks reached different gradsync operations ({at}): a call that "
+                "communicates (shard_optimizer(), register_comm_hook(), a checkpoint, a "
+                "wrapper's construction) was made on some ranks only, or their loops went out "
+                "of step; make it on every rank, at the same point"
+            )
+        return [their_obj for _, their_obj in every]
 
     def _wait_collective(self, work: dist.Work | None, what: str) -> None:
         assert work is not None
