@@ -20,9 +20,10 @@ Rank ``r`` of N holds a contiguous block of leaves (:func:`leaf_range`). It adds
 every *maximal aligned dyadic* interval of its block (:func:`dyadic_pieces`), each one a node of
 the tree, computed exactly as the tree computes it (:class:`TreeFold`, as the leaves arrive).
 Those pieces, from all ranks, tile the step's leaves; :func:`combine` adds them up the rest of
-the tree. A piece is one buffer the size of the gradients: with N a power of two dividing ``L``
-every rank has one, and the exchange costs the bytes of an all-reduce (``tree_exchange.py``);
-otherwise a block splits into a few pieces.
+the tree. A piece is one buffer the size of the gradients: where every rank's block is one
+subtree (``L = N 2^j``: 16 leaves on 2, 4 or 8 ranks) every rank has one, and the exchange
+costs the bytes of an all-reduce (``tree_exchange.py``); otherwise a block splits into a few
+pieces, at most three (:func:`leaf_blocks`), at most twice those bytes.
 
 :func:`naive_tree_sum` is the definition: the recursion over the leaves themselves, all in one
 place. The tests check that pieces folded on any number of ranks and combined give its bits.
@@ -47,39 +48,70 @@ def leaf_range(leaves: int, world_size: int, rank: int) -> range:
     return leaf_blocks(leaves, world_size)[rank]
 
 
+MOST_PIECES = 3  # per rank: an exchange of at most twice an all-reduce's bytes (see below)
+
+
 @functools.lru_cache(maxsize=64)
 def leaf_blocks(leaves: int, world_size: int) -> tuple[range, ...]:
-    """Every rank's block of leaves. Each holds at most ``ceil(leaves / world_size)`` (the
-    step's compute is its longest block's) and at least one when there are enough leaves. Of
-    two such cuts, the one whose ranks hold fewer pieces (:func:`dyadic_pieces`: what a rank
-    sends) at the most, the even one on a tie:
+    """Every rank's block of leaves, none empty when there are enough leaves.
 
-    - *even*: sizes differ by at most one, the longer blocks first;
-    - *along the tree*: each boundary, rank by rank, at the position with the most trailing
-      zero bits (the latest on a tie) that leaves the ranks after it a feasible cut, so that
-      blocks begin and end where the tree's large subtrees do. 16 leaves on 3 ranks: even
-      ``[0, 6) [6, 11) [11, 16)`` has 2, 3 and 2 pieces; along the tree ``[0, 4) [4, 10)
-      [10, 16)`` has 1, 2 and 2.
+    Two costs pull apart. The step's compute is its longest block's, at best
+    ``ceil(leaves / world_size)``; the exchange sends, from a rank whose block is ``k`` pieces
+    (:func:`block_pieces`), ``(k + 1) / 2`` times an all-reduce's bytes (``tree_exchange.py``):
+    one piece each costs an all-reduce's bytes, three, twice. Blocks that start and end where
+    the tree's large subtrees do have few pieces, but cannot always be that even. So the cut is
+    searched exactly (:func:`_shortest`): the fewest pieces at the most among the cuts of
+    blocks of at most ``ceil(leaves / world_size)`` leaves; if that is more than
+    :data:`MOST_PIECES`, the cut of at most that many pieces whose longest block is shortest,
+    if it is at most an eighth longer (compute is the larger cost where the link is fast);
+    else the fewest pieces within that eighth. 16 leaves on 3 ranks: ``[0, 4) [4, 10) [10,
+    16)``, 1, 2 and 2 pieces (the even cut ``[0, 6) [6, 11) [11, 16)`` has 2, 3 and 2); 32 on
+    3: blocks of up to 12 leaves, not 11, for 2 pieces, not 4. With a power of two of leaves
+    (a fixed micro-batch, a global batch a power of two) every world size up to 16 gets at
+    most 3 pieces, and one where it is a power of two too; ``tests/unit/test_leaf_tree.py``
+    checks both, and how often other leaf counts need a fourth piece.
     """
-    even = tuple(range(a, b) for a, b in chunk_bounds(leaves, world_size))
-    longest = -(-leaves // world_size)
+    if leaves < world_size:  # some ranks hold none: the deterministic mode refuses this
+        return tuple(range(a, b) for a, b in chunk_bounds(leaves, world_size))
+    even = -(-leaves // world_size)
+    for most in range(1, MOST_PIECES + 1):
+        if (cut := _shortest(leaves, world_size, even, most)) is not None:
+            return cut
+    most = MOST_PIECES
+    while (cut := _shortest(leaves, world_size, even + even // 8, most)) is None:
+        most += 1  # not within an eighth more compute: the fewest pieces that are
+    return cut
+
+
+def _shortest(leaves: int, world_size: int, longest: int, most: int) -> tuple[range, ...] | None:
+    """The cut into ``world_size`` non-empty blocks of at most ``longest`` leaves and ``most``
+    pieces whose longest block is shortest (the earliest boundaries on a tie), or ``None`` if
+    there is none: a minimax, by dynamic programming over (first leaf, ranks left)."""
+
+    @functools.cache
+    def best(first: int, ranks: int) -> tuple[int, int] | None:  # (longest block, its end)
+        if ranks == 0:
+            return (0, first) if first == leaves else None
+        options = []
+        for end in range(first + 1, min(first + longest, leaves - ranks + 1) + 1):
+            rest = best(end, ranks - 1)
+            if rest is not None and _num_pieces(first, end, leaves) <= most:
+                options.append((max(end - first, rest[0]), end))
+        return min(options, default=None)
+
+    if best(0, world_size) is None:
+        return None
     bounds = [0]
-    for r in range(1, world_size):
-        after = world_size - r  # ranks still to place, one leaf each at least
-        ends = [
-            e for e in range(bounds[-1] + 1, bounds[-1] + longest + 1)
-            if min(after, leaves) <= leaves - e <= after * longest
-        ]  # fmt: skip
-        if not ends:  # fewer leaves than ranks: the even cut
-            return even
-        bounds.append(max(ends, key=lambda e: ((e & -e).bit_length(), e)))
-    bounds.append(leaves)
-    cut = tuple(range(a, b) for a, b in zip(bounds[:-1], bounds[1:], strict=True))
+    for ranks in range(world_size, 0, -1):
+        found = best(bounds[-1], ranks)
+        assert found is not None
+        bounds.append(found[1])
+    return tuple(range(a, b) for a, b in zip(bounds[:-1], bounds[1:], strict=True))
 
-    def most_pieces(blocks: tuple[range, ...]) -> int:
-        return max(len(dyadic_pieces(b.start, b.stop)) for b in blocks)
 
-    return cut if most_pieces(cut) < most_pieces(even) else even
+@functools.lru_cache(maxsize=65536)
+def _num_pieces(start: int, stop: int, present: int) -> int:
+    return len(block_pieces(start, stop, present))
 
 
 def positions(leaves: int) -> int:
@@ -102,6 +134,36 @@ def dyadic_pieces(start: int, stop: int) -> list[Node]:
 
 
 T = TypeVar("T")
+
+
+def block_pieces(start: int, stop: int, present: int) -> list[Node]:
+    """The pieces rank's block ``[start, stop)`` sends in a step of ``present`` leaves: its
+    :func:`dyadic_pieces`, *closed* where the block holds the step's last leaf: a node whose
+    right sibling holds no leaf is, in the tree, its own parent (the one child holding any
+    leaf), so the block's trailing nodes fold on up the tree on its own rank. ``[12, 23)`` of
+    23 leaves: ``(12, 4), (16, 16)``, not ``(12, 4), (16, 4), (20, 2), (22, 1)``."""
+    nodes: list[tuple[Node, None]] = [(n, None) for n in dyadic_pieces(start, stop)]
+    _close(nodes, present, lambda left, right: None)
+    return [n for n, _ in nodes]
+
+
+def _siblings(left: Node, right: Node) -> bool:
+    return left[1] == right[1] and left[0] % (2 * left[1]) == 0 and right[0] == left[0] + left[1]
+
+
+def _close(nodes: list[tuple[Node, T]], present: int, plus: Callable[[T, T], T]) -> None:
+    """Fold ``nodes`` (a block's, in order) up the tree of ``present`` leaves where the block
+    ends the step: while the last node is a left child whose sibling holds no leaf it becomes
+    its parent, and merges with the node before it when they are then siblings."""
+    root = positions(present)
+    while nodes:
+        (first, size), value = nodes[-1]
+        if first % (2 * size) or first + size < present or 2 * size > root:
+            return
+        nodes[-1] = ((first, 2 * size), value)  # the parent: no addition, as in the tree
+        while len(nodes) >= 2 and _siblings(nodes[-2][0], nodes[-1][0]):
+            (first, size), left = nodes[-2]
+            nodes[-2:] = [((first, 2 * size), plus(left, nodes[-1][1]))]
 
 
 def _add_into(left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
@@ -136,16 +198,18 @@ class TreeFold(Generic[T]):
         assert size == 1 or (size == 2 and (self.start + self.count) % 2 == 0)
         nodes.append(((self.start + self.count, size), leaf))
         self.count += size
-        while len(nodes) >= 2:
+        while len(nodes) >= 2 and _siblings(nodes[-2][0], nodes[-1][0]):
             (first, size), left = nodes[-2]
-            (second, size2), right = nodes[-1]
-            if size != size2 or first % (2 * size):
-                break
-            assert second == first + size
-            nodes[-2:] = [((first, 2 * size), self.plus(left, right))]
+            nodes[-2:] = [((first, 2 * size), self.plus(left, nodes[-1][1]))]
+
+    def close(self, present: int) -> None:
+        """The step has ``present`` leaves: if this block holds its last one, fold the trailing
+        nodes on up the tree (:func:`block_pieces`). Idempotent."""
+        _close(self.nodes, present, self.plus)
 
     def pieces(self) -> list[tuple[Node, T]]:
-        """The nodes now: :func:`dyadic_pieces` of the leaves added, with their sums."""
+        """The nodes now: :func:`dyadic_pieces` of the leaves added (closed, after
+        :meth:`close`: :func:`block_pieces`), with their sums."""
         return list(self.nodes)
 
 

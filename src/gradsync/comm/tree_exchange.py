@@ -13,11 +13,12 @@ exchange is a reduce-scatter in which the owner of each chunk, not the wire, doe
    (:func:`~gradsync.comm.tree.combine`), in the tree's order, whoever computed them.
 4. *Gather*: the summed chunks, to every rank, in one ``all_gather``.
 
-With one piece per rank (N a power of two dividing the leaves) a rank sends (N-1)/N of the
-bucket in step 2 and (N-1)/N in step 4: the bytes of a ring all-reduce. A rank with k pieces
-sends k (N-1)/N in step 2. The used flags and step tags after the gradients are small integers,
-exact in any order: they travel up the tree too, in each rank's first piece (zeros in the
-others), with no collective of their own.
+With one piece per rank (``L = N 2^j`` leaves) a rank sends (N-1)/N of the bucket in step 2
+and (N-1)/N in step 4: the bytes of a ring all-reduce. A rank with k pieces sends k (N-1)/N in
+step 2 (``tree.leaf_blocks`` keeps k at most 3 wherever a block an eighth longer allows). The
+used flags and step tags after the gradients are small integers, exact in any order: they
+travel up the tree too, in each rank's first piece (zeros in the others), with no collective
+of their own.
 
 Step 2 starts when the bucket is full, during backward; steps 3 and 4 run when the reducer
 waits for the first bucket (:class:`TreeHandle`), for every bucket in bucket order, so the
@@ -36,7 +37,7 @@ import torch.distributed as dist
 from gradsync.comm.algorithm import CommStats
 from gradsync.comm.hook import BucketLike, CommHook
 from gradsync.comm.ring import chunk_bounds
-from gradsync.comm.tree import Node, combine, dyadic_pieces, leaf_range
+from gradsync.comm.tree import Node, block_pieces, combine, leaf_range
 from gradsync.errors import UsageError
 
 # torch 2.13 renamed all_gather_into_tensor (and warns on the old name); older torch lacks it.
@@ -86,7 +87,7 @@ class TreeExchange(CommHook):
 
     def start(self, bucket: BucketLike) -> TreeHandle:
         layout = self._step_layout()
-        mine: Sequence[tuple[Node, torch.Tensor]] = bucket.pieces  # type: ignore[attr-defined]
+        mine: Sequence[tuple[Node, torch.Tensor]] = bucket.pieces(layout.total)  # type: ignore[attr-defined]
         assert [n for n, _ in mine] == layout.pieces[self.rank], "pieces and counts disagree"
         handle = TreeHandle(self, bucket, layout, [t for _, t in mine])
         self._handles.append(handle)
@@ -125,7 +126,7 @@ class StepLayout:
                 )
         self.total = sum(counts)  # the step's leaves: a prefix of the full step's
         self.pieces = [
-            dyadic_pieces(block.start, block.start + count)
+            block_pieces(block.start, block.start + count, self.total)
             for count, block in zip(counts, blocks, strict=True)
         ]
 

@@ -107,15 +107,16 @@ class LeafBucket(AccumulatingBucket):
         self.fold.add(leaf, 2 if self.left_open else 1)
         self.leaf, self.left_open = [None] * len(self.params), False
 
-    @property
-    def pieces(self) -> list[tuple[Node, torch.Tensor]]:
-        """This rank's pieces of the step (after the last leaf joined them), each laid out as
-        the bucket's buffer: its gradients, then, in the first piece, the bucket's used flags
-        and tail (small integers, exact in any order: they travel with the tree) and zeros in
-        the others."""
+    def pieces(self, present: int) -> list[tuple[Node, torch.Tensor]]:
+        """This rank's pieces of a step of ``present`` leaves (after the last leaf joined them,
+        closed up the tree if this block holds the step's last leaf), each laid out as the
+        bucket's buffer: its gradients, then, in the first piece, the bucket's used flags and
+        tail (small integers, exact in any order: they travel with the tree) and zeros in the
+        others."""
         out: list[tuple[Node, torch.Tensor]] = []
         where = list(zip(self.spec.offsets, self.views, strict=True))
         n = self.grads.numel()
+        self.fold.close(present)
         for node, grads in self.fold.pieces():
             flat = self.buffer.new_empty(self.buffer.shape)
             torch._foreach_copy_([flat[a : a + v.numel()].view(v.shape) for a, v in where], grads)
