@@ -17,9 +17,9 @@ second:
   ``no_sync()`` on all but the last micro-batch of a step then reaches the step's reduction on
   every rank together. A smaller share gets smaller micro-batches, not fewer. Only a share with
   fewer samples than that count (``micro_batch_size=1`` when N does not divide G, or a short
-  last global batch) runs one micro-batch per sample, and an empty share (a short last global
-  batch of fewer than N samples) runs none: that rank's epoch ends one step early, so wrap the
-  epoch in ``model.join(opt)``.
+  last global batch) runs one micro-batch per sample; an empty share (a short last global batch
+  of fewer than N samples) none, but :meth:`mark_step_ends` gives that rank a micro-batch of no
+  sample there (``no_sample.py``): every rank runs every step's loop body, no ``join()`` needed.
 
 With ``reduction="item_mean"``, or ``"sum"`` with a sum-reduced loss, the synchronised gradient
 is then that of one process on the global batch, whatever N, the micro-batch size or the
@@ -60,6 +60,7 @@ import torch.distributed as dist
 import torch.utils.data
 
 from gradsync.comm.tree import leaf_range
+from gradsync.data.no_sample import no_sample_maker
 from gradsync.errors import CheckpointError, UsageError
 
 T = TypeVar("T")
@@ -330,11 +331,24 @@ class GlobalBatchSampler(torch.utils.data.Sampler[list[int]]):
         holds with worker processes reading ahead. Pass the loader, not an iterator already
         started: the step it starts at (the resumed one after :meth:`load_state_dict`) is read
         before the loader's first draw.
+
+        Every rank gets an item marked last in every global step: a rank whose share of a short
+        last step is empty gets a micro-batch of no sample, built from the loader's ``dataset``
+        and ``collate_fn`` (``no_sample.py``). Not with ``deterministic=True``: a micro-batch is
+        a leaf there, and a rank past the step's last leaf runs none (wrap the epoch in
+        ``model.join(opt)``; [Note: leaves and join]).
         """
         start = self._resume_at
+        short = self._batch_length(self.steps_per_epoch - 1)
+        empty = None  # whether some rank has an empty share is the same on every rank
+        if short < self.num_replicas and not self.deterministic:
+            empty = no_sample_maker(batches)
         items = iter(batches)
         for step in range(start, self.steps_per_epoch):
             count = self._micro_count(self._batch_length(step))
+            if count == 0 and empty is not None:  # an empty share: a step of no sample
+                self.step = step + 1
+                yield empty(self.global_order()[step * self.global_batch_size]), True
             # range first: zip stops at the step's count without drawing the next item
             for i, item in zip(range(count), items, strict=False):
                 yield item, i == count - 1

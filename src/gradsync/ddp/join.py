@@ -8,10 +8,18 @@ loop: for each round in which others are still active, it issues the same collec
 tag and zero items, so the others' reductions complete and average over the ranks that still
 had data. When a handshake sums to zero, all ranks are done.
 
+With ``model.join(optimizer)`` the waiting rank also applies each round's reduced gradients:
+``zero_grad(); step(); zero_grad()``, the part of the loop body it can know. The rest of the
+body (an LR scheduler, clipping) does not run there, which the end of the join detects and
+warns about ([Note: what a join round cannot repeat] in ``checks/join_exit.py``); the exact
+loop gives every rank every step instead, and needs no join for a short last global batch.
+
 The protocol runs on gradsync's private process group (``failfast/group.py``), so a collective
 the active ranks issue on their own group (a logging all_reduce, say) can never be matched with a
 handshake: the waiting rank reaches its deadline and raises, naming what it waited for, instead
-of mixing unrelated tensors.
+of mixing unrelated tensors. The ranks with data are then left in their own collective, which
+fails in the backend once the waiting rank gives up; leaving ``model.join(optimizer)`` turns that
+error into gradsync's, quoting the waiting rank's record (``foreign_collective_error``).
 
 torch's own ``Join`` context manager (``torch.distributed.algorithms.join``) drives the same
 protocol through the hook of :meth:`JoinProtocol.torch_hook`: torch counts the ranks still
@@ -33,8 +41,13 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
+from gradsync.ddp.checks.join_exit import (
+    WAITING,
+    foreign_collective_error,
+    warn_if_served_rounds_differ,
+)
 from gradsync.ddp.reducer import Reducer
-from gradsync.errors import UsageError
+from gradsync.errors import GradsyncError, UsageError
 from gradsync.failfast.deadline import Deadline
 
 
@@ -55,6 +68,7 @@ class JoinProtocol:
     def __init__(self, deadline: Deadline, joinable: Joinable, rounds: JoinRounds) -> None:
         self.deadline, self.joinable, self.rounds = deadline, joinable, rounds
         self.rounds_active = 0  # handshakes this rank answered with data
+        self.rounds_served = 0  # rounds of the others' steps this rank stepped in without data
         self.stepping = False  # inside model.join(optimizer)
         self.divides_by_world = False  # torch's Join(divide_by_initial_world_size=True)
 
@@ -87,7 +101,7 @@ class JoinProtocol:
     def serve_round(self, optimizer: torch.optim.Optimizer | None) -> bool:
         """Answer one round of the active ranks' collectives; ``False`` once none is active.
         Without an ``optimizer`` the reduced gradients are not applied here (torch's Join)."""
-        self.deadline.begin("join: this rank is out of data and waits for the others")
+        self.deadline.begin(WAITING)
         num_active, syncing, broadcasting = self.handshake(False, False, False)
         if num_active == 0:
             return False
@@ -100,6 +114,12 @@ class JoinProtocol:
             self.rounds.reducer().shadow_backward(num_active, write_back, self.divides_by_world)
             if optimizer is not None:
                 optimizer.step()
+                # As the loop's zero_grad() after its step: gradients left in .grad would be
+                # added to this rank's next backward after the join (the next epoch's first
+                # step), into every rank's reduced gradient. Before a loop that zeroes before
+                # its backward instead, this is a no-op.
+                optimizer.zero_grad()
+                self.rounds_served += 1
         return True
 
     def join(
@@ -116,9 +136,10 @@ class JoinProtocol:
         gradients with ``optimizer``, so its parameters and optimizer state stay in step;
         means are over the ranks that still had data, so training equals one process trained
         on exactly the batches that existed. At the end every rank takes the parameters and
-        buffers of a rank that was active last. Step logic beyond ``optimizer.step()``
-        (gradient clipping, LR schedulers) does not run on waiting ranks: ``check_replicas()``
-        after the loop tells whether that mattered.
+        buffers of a rank that was active last. Step logic beyond ``optimizer.step()`` and
+        ``zero_grad()`` (gradient clipping, LR schedulers) does not run on waiting ranks: the
+        end of the join warns, on every rank, when a waiting rank's optimizer hyperparameters
+        or parameters then differ ([Note: what a join round cannot repeat]).
 
         ``with model.join():`` (no optimizer) is torch DDP's, with torch's semantics: the same
         as ``torch.distributed.algorithms.join.Join([model], enable,
@@ -141,16 +162,25 @@ class JoinProtocol:
     def _stepping(self, optimizer: torch.optim.Optimizer) -> Iterator[None]:
         """``model.join(optimizer)``: answer every round of the others after this rank's loop
         ends, then take the final state."""
-        self.rounds_active, self.stepping = 0, True
+        self.rounds_active, self.rounds_served, self.stepping = 0, 0, True
         try:
             yield
-        except BaseException:
+        except BaseException as exc:
             self.stepping = False  # on an error, leave without waiting for the others
-            raise
+            error = foreign_collective_error(exc, self.deadline)
+            if error is None:
+                raise
+            self.deadline.record_error(error)
+            raise error from exc
         try:
             while self.serve_round(optimizer):
                 pass
+            params = self.rounds.reducer().params
+            warn_if_served_rounds_differ(self.deadline, optimizer, self.rounds_served, params)
             self.rounds.take_final_state()
+        except GradsyncError as exc:
+            self.deadline.record_error(exc)  # so that a peer's error can quote this verdict
+            raise
         finally:
             self.stepping = False
 
