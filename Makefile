@@ -11,7 +11,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q -e '.[dev]'
 	touch $@
 
-.PHONY: train train-resize train-3d test lint docs
+.PHONY: train train-resize train-3d test lint docs gpu-check
 # TRAIN_ARGS="--deterministic 4 --dtype float32": the deterministic mode, checked bit for bit.
 TRAIN_ARGS ?=
 train: $(VENV)/.installed
@@ -48,3 +48,15 @@ lint: $(VENV)/.installed
 # link to a missing page or anchor, into a failure.
 docs: $(VENV)/.installed
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
+
+# Every CUDA claim checked on this machine's GPU in one run of at most 8 minutes on an H100
+# (docs/gpu.md, "Checking it on a GPU"): writes benchmarks/gpu-check-<device>-<date>.md and .json
+# and exits 1 if a check fails, 2 without CUDA. It needs no install: the lent GPU machines have a
+# python3 with CUDA torch and no network, so gradsync runs from src/ with .venv's python where
+# there is one, else python3. GPU_CHECK_ARGS="--out DIR", "--groups correctness syncs", "--dry"
+# (the CPU wiring check that tests/e2e/test_gpu_check_dry.py runs).
+GPU_PY ?= $(if $(wildcard $(PY)),$(PY),python3)
+GPU_CHECK_ARGS ?=
+gpu-check:
+	PYTHONPATH=src$${PYTHONPATH:+:$$PYTHONPATH} PYTHONUNBUFFERED=1 $(GPU_PY) benchmarks/gpu_check.py \
+		$(GPU_CHECK_ARGS)
