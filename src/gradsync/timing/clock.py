@@ -4,7 +4,8 @@ A phase of a CPU step is host time between two marks. On CUDA the host only queu
 runs ahead of the GPU, so host time would charge a slow GPU's forward to whatever the host
 waits at next (the step's readout). There a mark is a CUDA event recorded on the current
 stream, and a duration is read with ``Event.elapsed_time`` once the GPU has passed both marks:
-after the step's readout, which waits for the GPU anyway. No mark ever makes the host wait.
+after the step's readout, which waits for the GPU anyway (with one rank, which reads nothing,
+reading a duration waits for its end mark).
 """
 
 from __future__ import annotations
@@ -37,7 +38,11 @@ class DeviceClock:
         return event
 
     def elapsed_ms(self, start: Any, end: Any) -> float:
-        # Both events are behind the step's readout, which the host has waited for.
+        # With two ranks or more both events are behind the step's readout, which the host has
+        # waited for. One rank reads nothing from the device, and elapsed_time raises on an
+        # event the GPU has not reached: wait for it then (benchmarks/gpucheck measures it).
+        if not end.query():
+            end.synchronize()
         return float(start.elapsed_time(end))
 
 
