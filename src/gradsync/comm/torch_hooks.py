@@ -42,10 +42,7 @@ from gradsync.comm.hook import BucketLike, CommHook, tail
 from gradsync.comm.worker import SerialWorker
 from gradsync.errors import GradsyncError, ProtocolError, UsageError
 from gradsync.failfast.deadline import Deadline
-
-# Texts by which a collective's failure shows inside a future (torch re-raises any error from
-# a ``then`` callback as a plain RuntimeError, so its type no longer tells).
-_BACKEND_FAILURE_MARKS = ("gloo", "NCCL", "Connection closed by peer", "Connection reset by peer")
+from gradsync.failfast.group import is_backend_failure
 
 
 class TorchHookAdapter(CommHook):
@@ -105,7 +102,7 @@ class TorchHookAdapter(CommHook):
         except GradsyncError:
             raise
         except Exception as exc:
-            if _is_backend_failure(exc):
+            if is_backend_failure(exc):
                 raise  # a lost peer or a timeout: the deadline names the rank at fault
             cause = str(exc).splitlines()[0] if str(exc) else ""
             raise self._fault(index, f"raised {type(exc).__name__}: {cause}") from exc
@@ -137,12 +134,6 @@ class TorchHookAdapter(CommHook):
     def _fault(self, index: int, what: str) -> UsageError:
         # A ValueError: Deadline.wait would report a RuntimeError as a lost peer.
         return UsageError(f"communication hook {hook_name(self.hook)} on bucket {index}: {what}")
-
-
-def _is_backend_failure(exc: BaseException) -> bool:
-    if isinstance(exc, dist.DistError):
-        return True
-    return any(mark in str(exc) for mark in _BACKEND_FAILURE_MARKS)
 
 
 # -- registration ---------------------------------------------------------------------------------

@@ -13,6 +13,7 @@ Every collective of a wrapper runs on a private group built here, for two reason
 
 from __future__ import annotations
 
+import re
 from datetime import timedelta
 
 import torch.distributed as dist
@@ -53,3 +54,16 @@ def release_group(group: dist.ProcessGroup) -> None:
             dist.distributed_c10d._abort_process_group(group)
     except Exception:  # best effort: the group's own timeout still ends the operation
         pass
+
+
+# Texts by which a backend's failure shows where its type does not: gloo raises plain
+# RuntimeErrors, and torch re-raises any error from a future's ``then`` callback as one.
+_BACKEND_FAILURE = re.compile(
+    r"gloo|nccl|processgroup|connection (closed|reset) by peer", re.IGNORECASE
+)
+
+
+def is_backend_failure(exc: BaseException) -> bool:
+    """Whether ``exc`` is a collective failing in the backend (a lost peer, a timeout), not an
+    error of the code around it."""
+    return isinstance(exc, dist.DistError) or bool(_BACKEND_FAILURE.search(str(exc)))

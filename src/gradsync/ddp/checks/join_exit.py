@@ -18,7 +18,6 @@ micro-batch of none), so that nobody waits in a join round.
 from __future__ import annotations
 
 import hashlib
-import re
 import threading
 import time
 import warnings
@@ -26,11 +25,11 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from gradsync.ddp.checks.diagnostics import tensor_checksum
 from gradsync.errors import CollectiveTimeoutError, GradsyncError
 from gradsync.failfast.deadline import Deadline
+from gradsync.failfast.group import is_backend_failure
 
 # What a rank out of data records when it waits in join() (its arrival record), and the text
 # of its rounds in the others' steps (``Reducer.shadow_backward``).
@@ -41,9 +40,6 @@ _EXACT = (
     "GlobalBatchSampler.mark_step_ends hands a rank whose share of a short last step is empty a "
     "micro-batch of no sample (docs/global-batches.md)"
 )
-# A RuntimeError from a process group's backend: torch raises DistError subclasses for some,
-# gloo's own errors (a closed connection, a timeout) arrive as plain RuntimeErrors.
-_BACKEND = re.compile(r"gloo|nccl|connection closed by peer|processgroup", re.IGNORECASE)
 _READ_S = 2.0  # the longest the error path waits for the store (as the roll call, liveness.py)
 
 
@@ -54,7 +50,7 @@ def foreign_collective_error(exc: BaseException, deadline: Deadline) -> Gradsync
     other error propagates unchanged)."""
     if isinstance(exc, GradsyncError) or not isinstance(exc, RuntimeError):
         return None
-    if not (isinstance(exc, dist.DistError) or _BACKEND.search(str(exc))):
+    if not is_backend_failure(exc):
         return None
     now, waiting = time.time(), []
     for rank, (_, stamp, what) in sorted(_records(deadline).items()):
