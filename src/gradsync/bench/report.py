@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gradsync.bench import wire
+from gradsync.bench.steptime import paired_ratio
 from gradsync.ddp.plan import SCALED
 from gradsync.testing.netns import PAYLOAD_FRACTION
 
@@ -88,6 +89,10 @@ class VariantRow:
     step_p25: float
     step_p75: float
     ratio_to_torch: float
+    """The step's median over torch DDP's median."""
+    paired_to_torch: float
+    """The median over rounds of the step over torch DDP's step in the same round
+    (:func:`gradsync.bench.steptime.paired_ratio`): the ratio the targets read."""
     num_calls: int
     comm: float
     compute: float
@@ -124,7 +129,8 @@ def variant_rows(result: dict[str, Any]) -> list[VariantRow]:
     """Every variant's row; the ``local`` one (compute only) has ``comm == 0``."""
     step_s, comm_s = result["step_s"], result["comm_s"]
     compute = statistics.median(step_s[_kind_name(result, "local")])
-    torch_step = statistics.median(step_s[_kind_name(result, "torch_ddp")])
+    torch_times = step_s[_kind_name(result, "torch_ddp")]
+    torch_step = statistics.median(torch_times)
     rows = []
     for v in result["variants"]:
         times = step_s[v["name"]]
@@ -139,6 +145,7 @@ def variant_rows(result: dict[str, Any]) -> list[VariantRow]:
                 step_p25=percentile(times, 25),
                 step_p75=percentile(times, 75),
                 ratio_to_torch=step / torch_step,
+                paired_to_torch=paired_ratio(times, torch_times),
                 num_calls=len(result["comm_bytes"].get(v["name"], [])),
                 comm=comm,
                 compute=compute,
@@ -183,9 +190,9 @@ def targets(result: dict[str, Any]) -> list[tuple[str, bool | None, str]]:
     gs = [r for r in rows if r.kind == "gradsync" and r.efficiency is not None]
     out: list[tuple[str, bool | None, str]] = [
         (
-            "gradsync default step <= 1.0x torch DDP default",
-            default.ratio_to_torch <= 1.0,
-            f"{default.ratio_to_torch:.3f}x",
+            "gradsync default step <= 1.0x torch DDP default (round by round)",
+            default.paired_to_torch <= 1.0,
+            f"{default.paired_to_torch:.3f}x (medians: {default.ratio_to_torch:.3f}x)",
         )
     ]
     if gs and torch_row.efficiency is not None:
@@ -230,8 +237,8 @@ def bucket_targets(
         return []
     best = min(fixed, key=lambda r: r.step)
     return [
-        (f"{who} <= 0.85x torch DDP default", row.ratio_to_torch <= 0.85,
-         f"{row.ratio_to_torch:.3f}x"),
+        (f"{who} <= 0.85x torch DDP default (round by round)", row.paired_to_torch <= 0.85,
+         f"{row.paired_to_torch:.3f}x (medians: {row.ratio_to_torch:.3f}x)"),
         (f"{who} within 3% of the fastest fixed cap", row.step <= 1.03 * best.step,
          f"{row.step / best.step:.3f}x {best.name}; {plan or 'its plan not recorded'}"),
     ]  # fmt: skip
@@ -271,9 +278,9 @@ def _load_note(result: dict[str, Any]) -> str:
 def step_table(result: dict[str, Any]) -> str:
     """Markdown table of one setting: medians, ratio to torch DDP, the bounds, efficiency."""
     lines = [
-        "| variant | step (ms) | p25-p75 | vs torch DDP | all-reduces | comm only (ms) "
-        "| limit max(c,m) | no overlap c+m | overlap eff. |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| variant | step (ms) | p25-p75 | vs torch DDP | round by round | all-reduces "
+        "| comm only (ms) | limit max(c,m) | no overlap c+m | overlap eff. |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in variant_rows(result):
         if r.kind == "local" or r.comm == 0:  # compute only, or a wire format (no replay)
@@ -285,10 +292,10 @@ def step_table(result: dict[str, Any]) -> str:
             )
         lines.append(
             f"| {r.name} | {_ms(r.step)} | {_ms(r.step_p25)}-{_ms(r.step_p75)} "
-            f"| {r.ratio_to_torch:.3f} " + bounds
+            f"| {r.ratio_to_torch:.3f} | {r.paired_to_torch:.3f} " + bounds
         )
     name, flat = flat_comm(result)
-    lines.append(f"| comm only: {name} | - | - | - | 1 | {_ms(flat)} | - | - | - |")
+    lines.append(f"| comm only: {name} | - | - | - | - | 1 | {_ms(flat)} | - | - | - |")
     return "\n".join(lines)
 
 

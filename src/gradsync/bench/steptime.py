@@ -1,13 +1,15 @@
 """Step time of data-parallel variants, interleaved in one run so they share the machine's noise.
 
 Every rank holds one model replica per variant. Each round times one training step of every
-variant, in a rotating order, each step started by a barrier so that ranks begin together; a
-step's time is the slowest rank's. Medians over rounds are robust to the shared machine's noise,
-and ratios between variants measured in the same rounds are what mean something.
+variant, in an order shuffled every round, each step started by a barrier so that ranks begin
+together; a step's time is the slowest rank's. Medians over rounds are robust to the shared
+machine's noise, and ratios between variants measured in the same rounds are what mean
+something.
 """
 
 from __future__ import annotations
 
+import random
 import statistics
 import time
 from collections.abc import Callable
@@ -124,6 +126,14 @@ def make_step_tasks(
     return tasks, {name: model for name, (model, _, _) in built.items()}
 
 
+def round_order(names: list[str], r: int) -> list[str]:
+    """The order of round ``r`` in :func:`time_interleaved`: ``names`` shuffled by a generator
+    seeded with ``r``, the same on every rank."""
+    order = list(names)
+    random.Random(r).shuffle(order)
+    return order
+
+
 def time_interleaved(
     tasks: dict[str, Callable[[], None]],
     *,
@@ -132,21 +142,25 @@ def time_interleaved(
     device: str = "cpu",
     on_round: Callable[[int, int], None] | None = None,
 ) -> dict[str, list[float]]:
-    """Time every task once per round, in an order that rotates each round; collective.
+    """Time every task once per round, in an order shuffled each round; collective.
 
-    Every rank must pass the same task names in the same order. Each call starts after a
-    barrier and lasts as long as its slowest rank (a MAX all-reduce of the elapsed times), so a
-    rank that starts early cannot shorten it. Rotating the order spreads slow phases of the
-    shared machine over all tasks. ``on_round(done, total)`` runs after each round, warm-up
-    rounds included (progress reporting); the first ``warmup`` rounds are not recorded.
+    Every rank must pass the same task names in the same order; round ``r``'s order is drawn
+    from a generator seeded with ``r``, so every rank draws the same one. Each call starts after
+    a barrier and lasts as long as its slowest rank (a MAX all-reduce of the elapsed times), so
+    a rank that starts early cannot shorten it. A new order each round spreads slow phases of
+    the shared machine over all tasks, and changes which task runs just before which (a
+    rotation would always put the same task before a given one, and a task can leave the
+    caches, the allocator or the gloo threads in a state that favours or slows the next).
+    ``times[name][i]`` of every task come from the same round ``i``, so ratios can be taken
+    round by round (:func:`paired_ratio`). ``on_round(done, total)`` runs after each round,
+    warm-up rounds included (progress reporting); the first ``warmup`` rounds are not recorded.
     """
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     dev = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else None
     names = list(tasks)
     times: dict[str, list[float]] = {name: [] for name in names}
     for r in range(warmup + rounds):
-        for k in range(len(names)):
-            name = names[(r + k) % len(names)]  # rotate who goes first each round
+        for name in round_order(names, r):
             sync()
             dist.barrier()
             t0 = time.perf_counter()
@@ -171,6 +185,16 @@ def summarize(times: dict[str, list[float]], baseline: str) -> list[tuple[str, f
     """(variant, median seconds, ratio to the baseline's median) for every variant."""
     base = statistics.median(times[baseline])
     return [(name, statistics.median(t), statistics.median(t) / base) for name, t in times.items()]
+
+
+def paired_ratio(times: list[float], base: list[float]) -> float:
+    """The median over rounds of ``times[i] / base[i]``: two tasks' times from the same rounds
+    of :func:`time_interleaved`, compared round by round. A slow phase of the shared machine
+    that lasts a round or more slows both sides of a pair and cancels in its ratio, where a
+    ratio of the two medians can still take a slow phase's rounds on one side only."""
+    if len(times) != len(base) or not times:
+        raise ValueError(f"paired rounds needed, got {len(times)} and {len(base)} times")
+    return statistics.median(t / b for t, b in zip(times, base, strict=True))
 
 
 def markdown_table(rows: list[tuple[str, float, float]], baseline: str) -> str:

@@ -27,20 +27,18 @@ the result being built. ``load_state_dict`` of such a dict keeps only each rank'
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.metadata import (
-    ChunkStorageMetadata,
-    MetadataIndex,
-    TensorProperties,
-)
-from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
 from gradsync.errors import UsageError
 from gradsync.optim.buffers import FlatBucket
 from gradsync.optim.layout import Piece
+
+if TYPE_CHECKING:  # DCP is imported by whoever saves; a process that never saves skips it
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
+    from torch.distributed.checkpoint.planner import WriteItem
 
 
 class Sharded(Protocol):
@@ -93,11 +91,16 @@ class StateShard(torch.Tensor):
         )
 
     def _chunk(self) -> ChunkStorageMetadata:
+        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
         return ChunkStorageMetadata(
             offsets=torch.Size([self.offset]), sizes=torch.Size([self.local.numel()])
         )
 
     def __create_write_items__(self, fqn: str, obj: object) -> list[WriteItem]:
+        from torch.distributed.checkpoint.metadata import MetadataIndex, TensorProperties
+        from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+
         return [
             WriteItem(
                 index=MetadataIndex(fqn, torch.Size([self.offset])),
