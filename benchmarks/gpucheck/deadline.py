@@ -28,6 +28,7 @@ import torch.distributed as dist
 import gradsync
 from gradsync.errors import CollectiveTimeoutError
 from gradsync.failfast.deadline import new_wrapper_deadline
+from gradsync.testing.events import FakeEvent
 from gradsync.testing.gpt import lm_loss
 
 from .common import ERROR, FAIL, PASS, SMALL, Check, Context, batch, device_of, job_error, run_job
@@ -54,17 +55,6 @@ def declare() -> list[Check]:
             "before the NCCL watchdog",
         ),
     ]  # fmt: skip
-
-
-class FakeEvent:
-    """A CUDA event's ``query()``: done after ``after`` queries (never, if ``None``)."""
-
-    def __init__(self, after: int | None) -> None:
-        self.after, self.queries = after, 0
-
-    def query(self) -> bool:
-        self.queries += 1
-        return self.after is not None and self.queries > self.after
 
 
 def _held_event(seconds: float, cycles_per_s: float) -> Any:

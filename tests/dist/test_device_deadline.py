@@ -20,20 +20,10 @@ import torch.distributed as dist
 
 from gradsync.errors import CollectiveTimeoutError
 from gradsync.failfast.deadline import new_wrapper_deadline
+from gradsync.testing.events import FakeEvent
 from gradsync.testing.spawn import spawn
 
 TIMEOUT_S = 2.0
-
-
-class FakeEvent:
-    """A CUDA event's ``query()``: done after ``after`` queries (never, if ``None``)."""
-
-    def __init__(self, after: int | None) -> None:
-        self.after, self.queries = after, 0
-
-    def query(self) -> bool:
-        self.queries += 1
-        return self.after is not None and self.queries > self.after
 
 
 def _rank(rank: int, world: int) -> dict[str, Any]:

@@ -192,9 +192,9 @@ def test_paired_ratio_cancels_a_slow_phase_that_hits_both_sides() -> None:
     base = [1.0, 1.0, 2.0, 2.0, 2.0]
     times = [0.95, 0.95, 0.95, 1.9, 1.9]
     assert statistics.median(times) / statistics.median(base) == pytest.approx(0.475)
-    assert steptime.paired_ratio(times, base) == pytest.approx(0.95)
+    assert report.paired_ratio(times, base) == pytest.approx(0.95)
     with pytest.raises(ValueError, match="paired rounds"):
-        steptime.paired_ratio(times, base[:4])
+        report.paired_ratio(times, base[:4])
 
 
 def test_each_round_has_its_own_order_the_same_on_every_rank() -> None:

@@ -25,7 +25,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from gradsync.bench import wire
-from gradsync.bench.steptime import paired_ratio
 from gradsync.ddp.plan import SCALED
 from gradsync.testing.netns import PAYLOAD_FRACTION
 
@@ -78,6 +77,17 @@ def percentile(values: Sequence[float], q: float) -> float:
     return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
 
 
+def paired_ratio(times: list[float], base: list[float]) -> float:
+    """The median over rounds of ``times[i] / base[i]``: two tasks' times from the same rounds
+    of :func:`gradsync.bench.steptime.time_interleaved`, compared round by round. A slow phase
+    of the shared machine that lasts a round or more slows both sides of a pair and cancels in
+    its ratio, where a ratio of the two medians can still take a slow phase's rounds on one
+    side only."""
+    if len(times) != len(base) or not times:
+        raise ValueError(f"paired rounds needed, got {len(times)} and {len(base)} times")
+    return statistics.median(t / b for t, b in zip(times, base, strict=True))
+
+
 @dataclass(frozen=True)
 class VariantRow:
     """One variant of one setting, every time in seconds (medians over the rounds)."""
@@ -92,7 +102,7 @@ class VariantRow:
     """The step's median over torch DDP's median."""
     paired_to_torch: float
     """The median over rounds of the step over torch DDP's step in the same round
-    (:func:`gradsync.bench.steptime.paired_ratio`): the ratio the targets read."""
+    (:func:`paired_ratio`): the ratio the targets read."""
     num_calls: int
     comm: float
     compute: float

@@ -152,8 +152,9 @@ def time_interleaved(
     rotation would always put the same task before a given one, and a task can leave the
     caches, the allocator or the gloo threads in a state that favours or slows the next).
     ``times[name][i]`` of every task come from the same round ``i``, so ratios can be taken
-    round by round (:func:`paired_ratio`). ``on_round(done, total)`` runs after each round,
-    warm-up rounds included (progress reporting); the first ``warmup`` rounds are not recorded.
+    round by round (:func:`gradsync.bench.report.paired_ratio`). ``on_round(done, total)``
+    runs after each round, warm-up rounds included (progress reporting); the first ``warmup``
+    rounds are not recorded.
     """
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     dev = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else None
@@ -185,16 +186,6 @@ def summarize(times: dict[str, list[float]], baseline: str) -> list[tuple[str, f
     """(variant, median seconds, ratio to the baseline's median) for every variant."""
     base = statistics.median(times[baseline])
     return [(name, statistics.median(t), statistics.median(t) / base) for name, t in times.items()]
-
-
-def paired_ratio(times: list[float], base: list[float]) -> float:
-    """The median over rounds of ``times[i] / base[i]``: two tasks' times from the same rounds
-    of :func:`time_interleaved`, compared round by round. A slow phase of the shared machine
-    that lasts a round or more slows both sides of a pair and cancels in its ratio, where a
-    ratio of the two medians can still take a slow phase's rounds on one side only."""
-    if len(times) != len(base) or not times:
-        raise ValueError(f"paired rounds needed, got {len(times)} and {len(base)} times")
-    return statistics.median(t / b for t, b in zip(times, base, strict=True))
 
 
 def markdown_table(rows: list[tuple[str, float, float]], baseline: str) -> str:
