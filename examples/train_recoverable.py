@@ -11,12 +11,16 @@ changes two (``~``): the loop over steps and the micro-batches of the step.
 
 ``--log-samples FILE`` appends one JSON record per rank and completed step (its indices, the
 world size, the membership generation, the time), for the tests; ``--out`` receives
-``result.json`` (the comparison and the recovery events) from rank 0.
+``result.json`` (the comparison and the recovery events) from rank 0. ``--stop-file FILE`` ends
+the job early, after the step during which FILE appears: each rank's view is all-reduced inside
+the step with ``step.all_reduce``, so every rank stops after the same one (Lightning's
+``should_stop`` idiom), and a rank lost during the vote is recovered from as in any collective.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import os
@@ -48,6 +52,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--step-time", type=float, default=0.0,
                    help="pad steps to this many seconds (a larger model's step)")  # fmt: skip
     p.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps")
+    p.add_argument("--stop-file", default=None, help="end after the step during which it appears")
     p.add_argument("--log-samples", default=None)
     p.add_argument("--out", default="out-recoverable")
     return p.parse_args()
@@ -88,9 +93,13 @@ def main() -> int:
         with open(os.path.join(args.out, "job-store"), "w") as f:
             f.write(recovery.store_address)
 
+    stop = torch.zeros(())
     for step in recovery.steps(args.max_steps):  # ~ for step in range(max_steps):
         started = time.monotonic()
         with step:  # +
+            if args.stop_file:  # every rank's view, agreed inside the step (not dist.all_reduce)
+                stop.fill_(os.path.exists(args.stop_file))
+                step.all_reduce(stop, op=dist.ReduceOp.MAX)
             micro = list(step.micro_batches(loader))  # ~ this rank's share of the global batch
             for i, (x, y) in enumerate(micro):
                 ddp.require_backward_grad_sync = i == len(micro) - 1  # nanoGPT's accumulation
@@ -112,40 +121,46 @@ def main() -> int:
                           "attempt": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),
                           "pid": os.getpid(), "time": time.time()}  # fmt: skip
                 print(json.dumps(record), file=log, flush=True)
+        if step.completed and stop.item():
+            break
 
     rank = recovery.membership.rank
     dist.destroy_process_group()
     if rank != 0:
         return 0
-    reference = train_one_process(dataset, args)
+    reference = train_one_process(dataset, args, recovery.completed)
     pairs = zip(model.parameters(), reference.parameters(), strict=True)
     diff = max((a - b).abs().max().item() for a, b in pairs)
     verdict = "PASS" if diff <= 1e-12 else "FAIL"
     world = recovery.membership.world_size
-    print(f"{verdict}: {world} rank(s) left after {len(recovery.events)} loss(es); largest "
-          f"parameter difference to one process {diff:.3g}")  # fmt: skip
+    print(f"{verdict}: {world} rank(s) left after {recovery.completed} steps and "
+          f"{len(recovery.events)} membership change(s); largest parameter difference to one "
+          f"process {diff:.3g}")  # fmt: skip
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "result.json"), "w") as f:
-        json.dump({"verdict": verdict, "diff": diff, "world": world,
+        json.dump({"verdict": verdict, "diff": diff, "world": world, "steps": recovery.completed,
                    "events": recovery.events}, f)  # fmt: skip
     return 0 if verdict == "PASS" else 1
 
 
-def train_one_process(dataset: CharDataset, args: argparse.Namespace) -> GPT:
-    """The same training in one process, on the same global batches."""
+def train_one_process(dataset: CharDataset, args: argparse.Namespace, steps: int) -> GPT:
+    """The same ``steps`` steps in one process, on the same global batches (the learning rate's
+    schedule spans ``--max-steps`` in both)."""
     model = make_model(dataset.vocab_size)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
     scheduler = schedule(opt, args.max_steps)
     one = GlobalBatchSampler(dataset, args.global_batch, num_replicas=1, rank=0, drop_last=True)
-    for step, indices in enumerate(one):
-        if step == args.max_steps:
-            break
-        x, y = (torch.stack(t) for t in zip(*[dataset[i] for i in indices], strict=True))
-        lm_loss(model(x), y).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        scheduler.step()
-        opt.zero_grad(set_to_none=True)
+    done = 0
+    while done < steps:  # over epochs, as recovery.steps() goes
+        for indices in itertools.islice(one, steps - done):
+            x, y = (torch.stack(t) for t in zip(*[dataset[i] for i in indices], strict=True))
+            lm_loss(model(x), y).backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            scheduler.step()
+            opt.zero_grad(set_to_none=True)
+            done += 1
+        one.set_epoch(one.epoch + 1)
     return model
 
 

@@ -2,9 +2,11 @@
 
 Five ranks train a float64 model with AdamW and a decaying learning rate over the global batches
 of a ``GlobalBatchSampler``, inside ``gradsync.recovery.Recovery``. Three of them die by SIGKILL,
-one after another, each at another point of a step: before a forward, inside backward once the
-first buckets' all-reduces are under way, and inside ``optimizer.step()`` (when the survivors
-have all they need to finish that step). The two left must end with the parameters of one
+one after another, each at another point of a step: before a forward (or, in the deterministic
+test, after backward, before the loop's own ``step.all_reduce`` of its loss: survivors that do
+not exchange data with the dead rank must not wait there for torch's timeout), inside backward
+once the first buckets' all-reduces are under way, and inside ``optimizer.step()`` (when the
+survivors have all they need to finish that step). The two left must end with the parameters of one
 process trained on the same global batches (1e-12), having used every sample of every step
 after a loss exactly once, at the new world size. Fresh processes (``fresh=True``): a rank that
 kills itself is the point.
@@ -34,6 +36,7 @@ WORLD, STEPS, GLOBAL_BATCH, MICRO = 5, 9, 12, 2
 SAMPLES = GLOBAL_BATCH * STEPS
 # original rank -> (step, where it dies)
 DEATHS = {4: (2, "forward"), 1: (4, "backward"), 0: (6, "optimizer")}
+LOGGING_DEATHS = {**DEATHS, 4: (2, "logging")}
 
 
 def _data() -> TensorDataset:
@@ -82,25 +85,32 @@ def _train(
     dcp.FileSystemWriter.write_data = lambda *a: die_if("save") or write(*a)  # type: ignore[method-assign]
     loader = DataLoader(data)
     used: dict[int, list[tuple[int, list[int]]]] = {}
+    losses: dict[int, float] = {}  # each step's loss summed over the global batch
     for step in recovery.steps(STEPS):
         with step:
             armed[0] = death is not None and step.number == death[0]
             die_if("forward")
             shares = sampler.micro_batches_of(step.index)
             batches = list(step.micro_batches(loader))
+            total = torch.zeros((), dtype=torch.float64)
             for i, (x, y) in enumerate(batches):
                 with ddp.no_sync() if i < len(batches) - 1 else nullcontext():
                     loss = ((ddp(x) - y) ** 2).sum()
                     ddp.count_items(len(x))
                     loss.backward()
+                    total += loss.detach()
+            die_if("logging")
+            logged = step.all_reduce(torch.stack([total, torch.ones_like(total)]))
+            assert logged[1] == recovery.membership.world_size, logged  # every member's share
             opt.step()
             sched.step()
             opt.zero_grad()
             if ckpt is not None and step.number % 2 == 1:
                 ckpt.save(step.number + 1)
             used[step.number] = [(recovery.membership.rank, [i for s in shares for i in s])]
+            losses[step.number] = logged[0].item()
     params = {n: p.detach().clone() for n, p in ddp.module.named_parameters()}
-    return {"params": params, "used": used, "events": recovery.events,
+    return {"params": params, "used": used, "events": recovery.events, "losses": losses,
             "world": recovery.membership.world_size}  # fmt: skip
 
 
@@ -153,13 +163,16 @@ def test_survivors_redo_the_step_and_end_equal_to_one_process() -> None:
 @pytest.mark.timeout(240)
 def test_in_the_deterministic_mode_the_survivors_end_with_the_bits_of_one_process() -> None:
     # 6 leaves per step over 5 ranks, then 4, 3 and 2: the same bits as 1 rank throughout.
-    results = spawn(_train, WORLD, (DEATHS, None, True), fresh=True, return_failures=True,
-                    timeout_s=150)  # fmt: skip
-    survivors = _check_survivors(results, DEATHS)
-    alone = spawn(_train, 1, ({}, None, True), timeout_s=150)[0]["params"]
+    results = spawn(_train, WORLD, (LOGGING_DEATHS, None, True), fresh=True,
+                    return_failures=True, timeout_s=150)  # fmt: skip
+    survivors = _check_survivors(results, LOGGING_DEATHS)
+    alone = spawn(_train, 1, ({}, None, True), timeout_s=150)[0]
     for r in survivors:
+        assert [e["world_size"] for e in results[r]["events"]] == [4, 3, 2]
         for name, p in results[r]["params"].items():
-            assert torch.equal(p, alone[name]), (r, name)
+            assert torch.equal(p, alone["params"][name]), (r, name)
+        # the loop's own all_reduce: the global batch's loss, on every member, every step
+        assert results[r]["losses"] == pytest.approx(alone["losses"], rel=1e-12, abs=0)
 
 
 @pytest.mark.timeout(180)

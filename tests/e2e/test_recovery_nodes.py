@@ -49,15 +49,18 @@ def read_log(path: Path) -> list[dict]:
 
 def wait_for(
     predicate: Callable[[], bool], seconds: float, what: str,
-    procs: list[subprocess.Popen[bytes]], out_dir: str | None = None,
+    procs: list[subprocess.Popen[bytes]], *out_dirs: str, ended: Path | None = None,
 ) -> None:  # fmt: skip
-    """Poll ``predicate``; on a timeout, or node 0 ending first, fail with the nodes' output."""
+    """Poll ``predicate``; on a timeout, node 0 ending first or the job's result ``ended``
+    appearing first, fail with the output of the nodes started in ``out_dirs``."""
     deadline = time.monotonic() + seconds
     while not predicate():
         problem = procs[0].poll() is not None and f"node 0 exited while waiting for {what}"
+        done = ended is not None and ended.exists()
+        problem = problem or (done and f"the job ended while waiting for {what}")
         problem = problem or (time.monotonic() > deadline and f"no {what} within {seconds} s")
         if problem:
-            logs = sorted(Path(out_dir).glob("node*.*")) if out_dir else []
+            logs = sorted(p for d in out_dirs for p in Path(d).glob("node*.*"))
             pytest.fail(problem + "".join(f"\n--- {p.name}\n{p.read_text()[-3000:]}" for p in logs))
         time.sleep(0.02)
 
@@ -157,25 +160,30 @@ def test_a_lost_node_costs_one_step_redone_in_process(tmp_path: Path) -> None:
 def test_chaos_nodes_die_at_random_points_and_are_replaced(tmp_path: Path) -> None:
     """Three times a node dies at a random moment (SIGKILL of its agent and workers); after the
     first two a replacement node (a standalone torchrun pointed at the job's store) joins. The
-    job saves a checkpoint every 10 steps throughout. The end, on 2 ranks, equals one process,
-    and every step's global batch was used once by the membership that completed it."""
+    job saves a checkpoint every 10 steps throughout, and trains on while a replacement starts
+    (however long that takes: up to 1100 steps), until told to stop after the last loss. The
+    end, on 2 ranks, equals one process, and every step's global batch was used once by the
+    membership that completed it."""
     seed = int(os.environ.get("GRADSYNC_CHAOS_SEED", time.time_ns() % 100_000))
     rng = random.Random(seed)
     print(f"chaos seed {seed} (GRADSYNC_CHAOS_SEED={seed} repeats it)")
-    steps, sentences, step_time = 400, 4000, 0.05  # room for two replacements to start
-    flags = ("--step-time", str(step_time), "--save-every", "10")
+    steps, sentences, step_time = 1100, 8000, 0.05  # one epoch: check_trajectory reads epoch 0
+    stop = tmp_path / "stop"
+    flags = ("--step-time", str(step_time), "--save-every", "10", "--stop-file", str(stop))
     out, log, argv = job_argv(tmp_path, *flags, steps=steps, sentences=sentences)
     joiner = [sys.executable, "-m", "torch.distributed.run", "--standalone",
               "--nproc-per-node", "2", *argv]  # fmt: skip
     timeline: list[dict] = []
     with SimulatedCluster(4, rate_mbit=1000) as cluster:
         procs, out_dir = start_job(cluster, argv)
+        out_dirs = [out_dir]
         victim, generation = procs[1], 0
         for replacement in (2, 3, None):
             on_four = lambda g=generation: any(  # noqa: E731
                 r["generation"] == g and r["world"] == 4 for r in read_log(log)
             )
-            wait_for(on_four, 150, f"a step on 4 ranks in generation {generation}", procs)
+            what = f"a step on 4 ranks in generation {generation}"
+            wait_for(on_four, 150, what, procs, *out_dirs, ended=out / "result.json")
             time.sleep(rng.uniform(0, step_time))  # a random point of a step
             timeline.append({"kill": time.time()})
             cluster.kill_node(victim)
@@ -183,15 +191,19 @@ def test_chaos_nodes_die_at_random_points_and_are_replaced(tmp_path: Path) -> No
             if replacement is not None:
                 timeline[-1]["replacement start"] = time.time()
                 join_env = {"GRADSYNC_JOIN": (out / "job-store").read_text()}
-                (victim,), _ = cluster.start([joiner], 2, join_env, first_node=replacement)
+                (victim,), joiner_dir = cluster.start([joiner], 2, join_env, first_node=replacement)
+                out_dirs.append(joiner_dir)
                 generation += 1
-        assert not any(r["step"] == steps - 1 for r in read_log(log)), "the job ended too soon"
+        after_loss = lambda: any(r["generation"] == generation for r in read_log(log))  # noqa: E731
+        wait_for(after_loss, 60, "a step after the last loss", procs, *out_dirs,
+                 ended=out / "result.json")  # fmt: skip
+        stop.touch()
         outcome, output = job_result(out, procs, out_dir, (0,))
     assert outcome["verdict"] == "PASS" and outcome["world"] == 2, (outcome, output[-6000:])
     kinds = ["lost" if "lost" in e else "joined" for e in outcome["events"]]
     assert kinds == ["lost", "joined", "lost", "joined", "lost"], outcome["events"]
     records = read_log(log)
-    check_trajectory(records, outcome["events"], steps, sentences)
+    check_trajectory(records, outcome["events"], outcome["steps"], sentences)
     for t, loss in zip(timeline, (e for e in outcome["events"] if "lost" in e), strict=True):
         after = min(r["time"] for r in records if r["generation"] == loss["generation"])
         times = {"noticed": loss["noticed"] - t["kill"], "kill -> next step": after - t["kill"]}

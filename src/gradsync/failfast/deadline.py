@@ -74,6 +74,26 @@ def watch_for_regroups(watch: RegroupWatch | None) -> None:
     _watch = watch
 
 
+def wait_watching(
+    handle: Any, watch: RegroupWatch, timeout: timedelta, start: float | None = None
+) -> None:
+    """``handle.wait()`` within ``timeout`` (counted from ``start``, ``time.monotonic()``), in
+    slices, giving up with ``RuntimeError`` once ``watch`` says a regroup began ([Note: waking a
+    survivor])."""
+    limit = timeout.total_seconds()
+    start = time.monotonic() if start is None else start
+    while True:
+        left = limit - (time.monotonic() - start)
+        try:
+            handle.wait(timeout=timedelta(seconds=max(min(_SLICE_S, left), 0.001)))
+            return
+        except RuntimeError:
+            if handle.is_completed() or left <= _SLICE_S:  # its own error, or the deadline
+                raise
+        if watch.begun():
+            raise RuntimeError("another rank began to regroup after losing a peer")
+
+
 def regroup_begun() -> bool:
     """Whether a regroup has begun that this process should stop waiting for peers for."""
     return _watch is not None and _watch.begun()
@@ -215,27 +235,12 @@ class Deadline:
             if not host_deadline:
                 handle.wait()
             elif _watch is not None and hasattr(handle, "is_completed"):
-                self._wait_watching(handle, _watch, start)
+                wait_watching(handle, _watch, self.timeout, start)
             else:
                 handle.wait(timeout=self.timeout)
         except RuntimeError as exc:
             self._fail(what, exc, time.monotonic() - start)
         self._recent.append(handle)
-
-    def _wait_watching(self, handle: Any, watch: RegroupWatch, start: float) -> None:
-        """``handle.wait`` under the deadline, in slices, giving up once ``watch`` says a
-        regroup began ([Note: waking a survivor])."""
-        limit = self.timeout.total_seconds()
-        while True:
-            left = limit - (time.monotonic() - start)
-            try:
-                handle.wait(timeout=timedelta(seconds=max(min(_SLICE_S, left), 0.001)))
-                return
-            except RuntimeError:
-                if handle.is_completed() or left <= _SLICE_S:  # its own error, or the deadline
-                    raise
-            if watch.begun():
-                raise RuntimeError("another rank began to regroup after losing a peer")
 
     def wait_device(self, done: DeviceEvent, what: str) -> None:
         """Wait until the GPU has passed ``done`` (a CUDA event recorded after ``what``'s

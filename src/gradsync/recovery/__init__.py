@@ -3,6 +3,8 @@
 - ``membership.py``: the survivors agree, through the store, on one membership.
 - ``rollback.py``: what a step changes, kept so that the interrupted step can be redone.
 - ``regroup.py``: new process groups for the survivors, in the same processes.
+- ``heal.py``: a replacement joins the running job, with a live peer's state.
+- ``coverage.py``: what it covers (the wrapper, optimizer and sampler it can recover with).
 - ``loop.py``: :class:`Recovery`, the training loop's side: steps a lost rank does not end.
 """
 

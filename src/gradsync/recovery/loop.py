@@ -33,9 +33,9 @@ from gradsync.data import GlobalBatchSampler
 from gradsync.ddp.wrapper import DistributedDataParallel
 from gradsync.elastic import joining
 from gradsync.errors import CollectiveTimeoutError, GradsyncError, UsageError
-from gradsync.failfast.deadline import watch_for_regroups
-from gradsync.optim.sharded import ShardedOptimizer
+from gradsync.failfast.deadline import wait_watching, watch_for_regroups
 from gradsync.recovery import heal
+from gradsync.recovery.coverage import check_covered
 from gradsync.recovery.membership import (
     Membership,
     NoRecoveryError,
@@ -80,6 +80,20 @@ class Step:
         collate = loader.collate_fn
         for indices in self.recovery.sampler.micro_batches_of(self.index):
             yield collate([loader.dataset[i] for i in indices])
+
+    def all_reduce(self, tensor: torch.Tensor, op: Any = dist.ReduceOp.SUM) -> torch.Tensor:
+        """``dist.all_reduce(tensor, op)`` over the current members, in place, for the loop's
+        own agreements inside ``with step:`` (a loss to log, a vote to stop early). A peer lost
+        meanwhile ends it as it ends gradsync's own collectives: at once once another survivor
+        has begun to regroup. Torch's call would wait out the backend's timeout, the survivors
+        would take this rank for stuck, and the job would take the restart path."""
+        work = dist.all_reduce(tensor, op=op, async_op=True)
+        assert work is not None
+        try:
+            wait_watching(work, self.recovery, self.recovery.model.options.timeout)
+        except RuntimeError as exc:
+            raise CollectiveTimeoutError(f"step {self.number}'s all_reduce: {exc}") from exc
+        return tensor
 
     def __enter__(self) -> Step:
         self.recovery._begin(self)
@@ -130,7 +144,7 @@ class Recovery:
         join: str | None = None,
         join_timeout: float = 3600.0,
     ) -> None:
-        _check(model, optimizer, sampler)
+        check_covered(model, optimizer, sampler)
         self.model, self.optimizer, self.sampler = model, optimizer, sampler
         self.lr_scheduler, self.checkpointer = lr_scheduler, checkpointer
         self.window, self.min_world_size = window, min_world_size
@@ -360,24 +374,3 @@ def _phase(model: DistributedDataParallel, stepped: bool, exc: BaseException) ->
 
 def _logger() -> logging.Logger:
     return logging.getLogger("gradsync.recovery")
-
-
-def _check(model: Any, optimizer: Any, sampler: Any) -> None:
-    if not isinstance(model, DistributedDataParallel):
-        raise UsageError("Recovery needs a gradsync.DistributedDataParallel model")
-    if model.device_mesh is not None or model.process_group not in (None, dist.group.WORLD):
-        raise UsageError("Recovery covers a wrapper over the default process group only")
-    if isinstance(optimizer, ShardedOptimizer):
-        raise UsageError(
-            "Recovery does not cover ZeRO-1: the lost rank's slice of the optimizer state "
-            "exists nowhere else; use a plain optimizer, or the restart path (Checkpointer)"
-        )
-    if model.compression is not None:
-        raise UsageError("Recovery redoes steps exactly: it needs compression=None")
-    if model.reduction == "mean":
-        raise UsageError(
-            'Recovery needs reduction="item_mean" (or "sum"): the survivors\' shares of a '
-            'global batch may differ in size, and "mean" would then weigh samples unequally'
-        )
-    if not isinstance(sampler, GlobalBatchSampler):
-        raise UsageError("Recovery needs a gradsync.data.GlobalBatchSampler")
