@@ -124,16 +124,19 @@ def test_a_periodic_stall_is_named_with_what_it_cost(cases: list[dict[str, Any]]
     assert len(lines) == 2, cases[0]["stall"]["lines"]
     for report, of, line in zip(reports, (8, 10), lines, strict=True):
         [stall] = report["stalls"]
-        assert (stall["rank"], stall["phase"], stall["late_in"], stall["of"]) == (
-            STALL_RANK, "data", 2, of), report  # fmt: skip
-        assert 0.7 * STALL * 1e3 < stall["late_ms"] < 2.0 * STALL * 1e3, report
+        assert (stall["rank"], stall["phase"], stall["of"]) == (STALL_RANK, "data", of), report
+        # Late in both stalled steps; a step that the shared machine slowed past the 5 ms
+        # threshold may add a third, which lowers the mean but not the sum.
+        assert 2 <= stall["late_in"] <= 3, report
+        cost = stall["late_ms"] * stall["late_in"]
+        assert 0.7 * 2 * STALL * 1e3 < cost < 2.0 * 2 * STALL * 1e3, report
         # what the others waited, of the window's time: 2 sleeps of 100 ms against steps of
         # about 20 ms (the share stays above 20 % unless the steps take 80 ms or more)
         lost = report["ranks"][STALL_RANK]["lost_ms"]
         assert stall["job_lost_pct"] == pytest.approx(100.0 * lost / report["window_ms"])
         assert stall["job_lost_pct"] > 20.0, report
         assert line == (
-            f"gradsync: rank {STALL_RANK} was late in 2 of the last {of} steps by "
+            f"gradsync: rank {STALL_RANK} was late in {stall['late_in']} of the last {of} steps by "
             f"{stall['late_ms']:.1f} ms, in data loading (between steps), costing the job "
             f"{stall['job_lost_pct']:.0f}% of its time"
         )

@@ -71,7 +71,10 @@ def job_argv(
     """The job's output folder, its sample log and its command line (plus ``flags``)."""
     out, log = tmp_path / "run", tmp_path / "samples.jsonl"
     argv = [str(SCRIPT), "--max-steps", str(steps), "--sentences", str(sentences)]
-    argv += ["--global-batch", str(GLOBAL_BATCH), "--timeout-s", "10", *flags]
+    # A 3 s roll call (1 s by default): on these shared 2 cores a starved survivor can take over
+    # a second to answer, and would be taken for stuck. It costs nothing when the lost ranks'
+    # processes are seen gone, as here, where the nodes share a PID namespace.
+    argv += ["--global-batch", str(GLOBAL_BATCH), "--timeout-s", "10", "--window-s", "3", *flags]
     return out, log, argv + ["--log-samples", str(log), "--out", str(out)]
 
 
