@@ -1,9 +1,11 @@
 """The parts of in-process recovery that one process can check: one membership however the
-survivors' views differ, the undo of an optimizer step, the step-start snapshot, the refusals."""
+survivors' views differ, the undo of an optimizer step, the step-start snapshot, the refusals,
+and the sliced wait that lets a survivor give up once a regroup has begun."""
 
 from __future__ import annotations
 
 import threading
+from datetime import timedelta
 
 import pytest
 import torch
@@ -12,6 +14,7 @@ from torch import nn
 
 import gradsync
 from gradsync.data import GlobalBatchSampler
+from gradsync.failfast.deadline import wait_watching
 from gradsync.failfast.liveness import this_process
 from gradsync.recovery import Membership, NoRecoveryError, RankExcludedError, Recovery
 from gradsync.recovery.membership import agree
@@ -133,3 +136,46 @@ def test_recovery_refuses_zero1_naming_the_lost_slice() -> None:
     opt = model.shard_optimizer(torch.optim.SGD, lr=0.1)
     with pytest.raises(gradsync.UsageError, match="slice of the optimizer state"):
         Recovery(model, opt, GlobalBatchSampler(range(8), 4))
+
+
+class _Collective:
+    """A collective in flight: completes (or fails with ``error``) after ``slices`` timed-out
+    waits, just after the last of them raised, as a gloo work can between ``wait(timeout)``'s
+    check and the caller's next look."""
+
+    def __init__(self, slices: int, error: RuntimeError | None = None) -> None:
+        self.slices, self.error, self.waits = slices, error, 0
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        self.waits += 1
+        if timeout is not None and self.waits <= self.slices:
+            raise RuntimeError("Operation timed out!")
+        if self.error is not None:
+            raise self.error
+        return True
+
+    def is_completed(self) -> bool:
+        return self.waits >= self.slices
+
+
+class _Watch:
+    def __init__(self, begun: bool) -> None:
+        self.answer = begun
+
+    def begun(self) -> bool:
+        return self.answer
+
+
+def test_a_collective_done_as_its_slice_ran_out_is_no_failure() -> None:
+    # Taken for a failure, this started a regroup in which no rank was lost.
+    wait_watching(_Collective(slices=3), _Watch(False), timedelta(seconds=10))
+
+
+def test_a_sliced_wait_raises_the_collectives_own_error_or_gives_up_on_a_regroup() -> None:
+    lost = RuntimeError("Connection closed by peer")
+    with pytest.raises(RuntimeError, match="Connection closed by peer"):
+        wait_watching(_Collective(slices=2, error=lost), _Watch(False), timedelta(seconds=10))
+    with pytest.raises(RuntimeError, match="began to regroup"):
+        wait_watching(_Collective(slices=10**6), _Watch(True), timedelta(seconds=10))
+    with pytest.raises(RuntimeError, match="timed out"):
+        wait_watching(_Collective(slices=10**6), _Watch(False), timedelta(seconds=0.2))

@@ -88,7 +88,10 @@ def wait_watching(
             handle.wait(timeout=timedelta(seconds=max(min(_SLICE_S, left), 0.001)))
             return
         except RuntimeError:
-            if handle.is_completed() or left <= _SLICE_S:  # its own error, or the deadline
+            if handle.is_completed():  # done since the slice ran out, or its own error:
+                handle.wait()  # returns, or raises that error (not the slice's timeout)
+                return
+            if left <= _SLICE_S:  # the deadline
                 raise
         if watch.begun():
             raise RuntimeError("another rank began to regroup after losing a peer")

@@ -250,6 +250,7 @@ class Recovery:
             "generation": new.generation, "lost": sorted(lost), "step": target,
             "phases": phases, "world_size": new.world_size, "rank": new.rank,
             "noticed": noticed, "agreed": agreed, "regrouped": time.time(),
+            "error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}",
         }  # fmt: skip
         self.events.append(event)
         self._pending_log = event  # logged once the redone step completes
@@ -348,8 +349,13 @@ class Recovery:
             return
         lost, where = ", ".join(map(str, event["lost"])), "/".join(event["phases"])
         total = event["regrouped"] - event["noticed"] + event["redone_s"]
+        what = (
+            f"rank {lost} lost"
+            if lost
+            else f"no rank lost, though a collective failed ({event['error']})"
+        )
         _logger().warning(
-            f"gradsync: rank {lost} lost at step {event['step']} (noticed in {where}); "
+            f"gradsync: {what} at step {event['step']} (noticed in {where}); "
             f"continuing on {event['world_size']} ranks, step {event['step']} redone "
             f"in {total:.2f} s"
         )

@@ -1,13 +1,26 @@
-"""One run on fresh processes: each rank a new ``spawn``-method process, gone when it ends.
+"""One run on fresh processes: each rank a new process, gone when it ends.
 
 A rank passes only if it returns and then exits by itself with code 0: a crash or hang at
-interpreter shutdown (a process-group destructor racing finalisation) fails the run like any
-other crash. This is the way to run a rank that kills itself, changes what a process keeps
-(environment variables read at import, a framework's process singletons), or uses NCCL.
+its end (tearing down its process groups, an ``atexit`` handler) fails the run like any other
+crash. This is the way to run a rank that kills itself, changes what a process keeps
+(a framework's process singletons, environment variables read once per process), or uses NCCL.
+
+[Note: fresh processes from a forkserver]
+Each rank is forked from multiprocessing's forkserver, a process that has imported torch and
+gradsync and done nothing else, rather than started with ``spawn``, which imports them again
+(3-4 s of CPU a rank; the suite starts dozens of such ranks). No case ran in the server and it
+never touched CUDA, so a forked rank is as fresh as a spawned one but for the imports. The
+server's environment is that of its own start: each rank takes the parent's current one first,
+so a variable set before ``spawn`` (``CUDA_VISIBLE_DEVICES``, read when CUDA starts) reaches
+it, as with ``spawn``; a variable torch reads while being imported does not, and wants a
+subprocess of its own. A forked process ends without the interpreter's shutdown: its
+``atexit`` handlers are run at the end of the rank, but objects are not finalised (the pool's
+workers and the torchrun jobs of ``tests/e2e`` still end through it).
 """
 
 from __future__ import annotations
 
+import atexit
 import os
 import queue as queue_mod
 import tempfile
@@ -30,8 +43,12 @@ from gradsync.testing.ranks import (
     verdict,
 )
 
+_PRELOAD = ["torch", "torch.distributed", "gradsync"]  # what the forkserver imports once
 
-def _rank_entry(rank: int, job: Job, init_file: str, results: Any) -> None:
+
+def _rank_entry(rank: int, job: Job, init_file: str, results: Any, env: dict[str, str]) -> None:
+    os.environ.clear()  # the parent's environment, not the server's ([Note: fresh processes...])
+    os.environ.update(env)
     torch.set_num_threads(1)
     try:
         ok, value = run_rank(
@@ -40,6 +57,9 @@ def _rank_entry(rank: int, job: Job, init_file: str, results: Any) -> None:
         results.put((rank, ok, value))
     finally:
         free_groups()
+        # A forked process ends in os._exit, skipping the interpreter's exit: run what a spawned
+        # rank would run there, so that a handler that crashes or hangs fails the run as before.
+        atexit._run_exitfuncs()
 
 
 def _receive(results: Any, outcomes: dict[int, Outcome], timeout: float) -> bool:
@@ -100,16 +120,17 @@ def _collect(
 
 def run_fresh(job: Job) -> dict[int, Outcome]:
     """One start of every rank: each rank's (ok, result or RankFailure)."""
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
     # One thread per rank: on a 2-core machine oversubscription turns seconds into minutes.
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # before the server starts, and imports torch
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)  # used when the server starts: the first fresh run
+    results = ctx.Queue()
     with tempfile.TemporaryDirectory(prefix="gradsync-spawn-") as tmp:
         init_file = os.path.join(tmp, "store")
         procs = [
             ctx.Process(
                 target=_rank_entry,
-                args=(rank, job, init_file, results),
+                args=(rank, job, init_file, results, dict(os.environ)),
                 daemon=True,
             )
             for rank in range(job.world_size)
