@@ -4,6 +4,7 @@ and the sliced wait that lets a survivor give up once a regroup has begun."""
 
 from __future__ import annotations
 
+import subprocess
 import threading
 from datetime import timedelta
 
@@ -14,8 +15,9 @@ from torch import nn
 
 import gradsync
 from gradsync.data import GlobalBatchSampler
+from gradsync.failfast import liveness
 from gradsync.failfast.deadline import wait_watching
-from gradsync.failfast.liveness import this_process
+from gradsync.failfast.liveness import ProcessId, process_state, this_process
 from gradsync.recovery import Membership, NoRecoveryError, RankExcludedError, Recovery
 from gradsync.recovery.membership import agree
 from gradsync.recovery.rollback import StepStart, UndoLog
@@ -179,3 +181,18 @@ def test_a_sliced_wait_raises_the_collectives_own_error_or_gives_up_on_a_regroup
         wait_watching(_Collective(slices=10**6), _Watch(True), timedelta(seconds=10))
     with pytest.raises(RuntimeError, match="timed out"):
         wait_watching(_Collective(slices=10**6), _Watch(False), timedelta(seconds=0.2))
+
+
+def test_a_process_that_exits_while_its_stat_is_read_is_gone(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    # Reading /proc/<pid>/stat of a process that exits meanwhile fails with ESRCH, not ENOENT:
+    # the roll call of a survivor that looked just then raised instead of finding it gone.
+    child = subprocess.Popen(["true"])
+    child.wait()
+    me = this_process()
+    gone = ProcessId(child.pid, 1, me.space, me.host)
+
+    def exiting(self: object, *args: object, **kwargs: object) -> str:
+        raise ProcessLookupError(3, "No such process")
+
+    monkeypatch.setattr(liveness.Path, "read_text", exiting)
+    assert process_state(gone) == "gone"

@@ -61,7 +61,7 @@ def _stat(pid: int) -> tuple[str, int] | None:
     The command name (field 2) may hold spaces and parentheses: fields are counted after it."""
     try:
         text = Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:
+    except (FileNotFoundError, ProcessLookupError):  # the latter: it exited while being read
         return None
     fields = text[text.rindex(")") + 2 :].split()
     return fields[0], int(fields[19])  # fields 3 and 22 of proc(5)
