@@ -35,14 +35,14 @@ train-3d: $(VENV)/.installed
 	$(VENV)/bin/torchrun --standalone --nproc-per-node 8 examples/train_3d.py --cp 2 --tp 2
 
 # The docs build comes first: with --strict a broken link or anchor in docs/ fails the suite.
-# Then two pytest processes, one per core (tests/conftest.py): the torchrun jobs of tests/e2e
-# (much of it waiting: grace periods, deadlines) beside everything else; the e2e output follows.
+# Then two pytest processes, one per core: the torchrun jobs of tests/e2e (much of it waiting:
+# grace periods, deadlines) beside everything else; the e2e output follows the other's.
 test: $(VENV)/.installed
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
 	$(PY) -m ruff check src tests examples benchmarks
 	$(PY) -m mypy
-	@log=$$(mktemp); $(PY) -m pytest --stream e2e >$$log 2>&1 & e2e=$$!; \
-	$(PY) -m pytest --stream rest; rest=$$?; wait $$e2e; e2e_rc=$$?; \
+	@log=$$(mktemp); $(PY) -m pytest tests/e2e >$$log 2>&1 & e2e=$$!; \
+	$(PY) -m pytest --ignore tests/e2e; rest=$$?; wait $$e2e; e2e_rc=$$?; \
 	echo "===== tests/e2e ====="; cat $$log; rm -f $$log; \
 	echo "pytest exit codes: tests/e2e $$e2e_rc, the rest $$rest"; [ $$rest -eq 0 ] && [ $$e2e_rc -eq 0 ]
 
