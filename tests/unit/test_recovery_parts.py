@@ -183,7 +183,9 @@ def test_a_sliced_wait_raises_the_collectives_own_error_or_gives_up_on_a_regroup
         wait_watching(_Collective(slices=10**6), _Watch(False), timedelta(seconds=0.2))
 
 
-def test_a_process_that_exits_while_its_stat_is_read_is_gone(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_a_process_that_exits_while_its_stat_is_read_is_gone(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     # Reading /proc/<pid>/stat of a process that exits meanwhile fails with ESRCH, not ENOENT:
     # the roll call of a survivor that looked just then raised instead of finding it gone.
     child = subprocess.Popen(["true"])

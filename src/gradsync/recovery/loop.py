@@ -84,7 +84,7 @@ class Step:
     def all_reduce(self, tensor: torch.Tensor, op: Any = dist.ReduceOp.SUM) -> torch.Tensor:
         """``dist.all_reduce(tensor, op)`` over the current members, in place, for the loop's
         own agreements inside ``with step:`` (a loss to log, a vote to stop early). A peer lost
-        meanwhile ends it as it ends gradsync's own collectives: at once once another survivor
+        meanwhile ends it as it ends gradsync's own collectives: at once, when another survivor
         has begun to regroup. Torch's call would wait out the backend's timeout, the survivors
         would take this rank for stuck, and the job would take the restart path."""
         work = dist.all_reduce(tensor, op=op, async_op=True)
@@ -250,7 +250,7 @@ class Recovery:
             "generation": new.generation, "lost": sorted(lost), "step": target,
             "phases": phases, "world_size": new.world_size, "rank": new.rank,
             "noticed": noticed, "agreed": agreed, "regrouped": time.time(),
-            "error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}",
+            "error": f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:300]}",
         }  # fmt: skip
         self.events.append(event)
         self._pending_log = event  # logged once the redone step completes
