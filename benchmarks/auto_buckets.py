@@ -5,7 +5,8 @@
 
 Every variant trains the same GPT with AdamW, interleaved round by round in the same processes:
 ``gradsync auto`` (``bucket_cap_mb="auto"``: profiles its first steps, then switches plan),
-``gradsync default`` (``"scaled"``: an eighth of the gradient bytes, 1 to 25 MiB),
+``gradsync default`` (torch's 25 MiB on one host, ``"scaled"`` across hosts: an eighth of
+the gradient bytes, 1 to 25 MiB),
 ``gradsync cap C`` for fixed caps C (MiB; ``None``: one bucket), and ``torch DDP`` with its
 defaults (25 MiB). Each round starts with the next variant in turn, so that none always follows
 the same one, and builds every wrapper afresh, so "auto" profiles and decides again

@@ -19,8 +19,8 @@ processes (one thread each; starting processes costs more than training on a loa
 ``--isolated`` starts fresh ones for each setting (the same bits, 18x the start-up time), to
 tell which setting hangs or crashes. ``--settings NAME ...`` runs only those (``--list``).
 
-``bucket_cap_mb=None`` is the default cap (``"scaled"``), so one bucket is
-``bucket_cap_mb=inf``; with this model the default cap (at least 1 MiB) already makes one
+``bucket_cap_mb=None`` is the default cap (torch's 25 MiB on these two ranks of one host), so
+one bucket is ``bucket_cap_mb=inf``; with this model the default cap already makes one
 bucket. The bf16 setting also saves ``MasterWeights``' fp32 copies as ``master.<name>``.
 """
 

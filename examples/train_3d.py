@@ -45,7 +45,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--n-layer", type=int, default=2)
     p.add_argument("--n-embd", type=int, default=64)
     p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--bucket-cap-mb", type=parse_cap, default="scaled")
+    p.add_argument(
+        "--bucket-cap-mb", type=parse_cap, default=None,
+        help="MiB, 'none' (one bucket), 'scaled' or 'auto' (default: the library's, torch's 25 "
+        "on one host, 'scaled' across hosts)",
+    )  # fmt: skip
     p.add_argument("--tolerance", type=float, default=1e-9, help="PASS threshold (float64)")
     p.add_argument("--timeout-s", type=float, default=120.0, help="process-group timeout")
     return p.parse_args(argv)

@@ -92,7 +92,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--seed", type=int, default=0, help="seeds the weights and the data order")
     p.add_argument("--eval-sequences", type=int, default=512, help="for the final loss")
-    p.add_argument("--bucket-cap-mb", type=parse_cap, default="scaled")
+    p.add_argument(
+        "--bucket-cap-mb", type=parse_cap, default=None,
+        help="MiB, 'none' (one bucket), 'scaled' or 'auto' (default: the library's, torch's 25 "
+        "on one host, 'scaled' across hosts)",
+    )  # fmt: skip
     p.add_argument("--out", default="runs/gpt", help="folder for the checkpoints")
     p.add_argument("--save-every", type=int, default=25, help="checkpoint every N steps (0: never)")
     p.add_argument("--keep", type=int, default=3, help="checkpoints to keep")
@@ -387,7 +391,8 @@ def main(argv: list[str] | None = None) -> int:
     if rank == 0:
         print(
             f"gradsync: {world} rank(s), {n_params / 1e6:.2f}M parameters, {ddp.num_buckets} "
-            f"bucket(s), global batch {args.global_batch} x {args.block_size} tokens, "
+            f"bucket(s) (cap {ddp.bucket_cap_mb:g} MiB), global batch {args.global_batch} x "
+            f"{args.block_size} tokens, "
             f"{steps_per_epoch} steps/epoch, compression {args.compression}"
             + (f", deterministic ({ddp.deterministic} leaves)" if args.deterministic else "")
             + (f"; resumed at step {step}" if step else "")

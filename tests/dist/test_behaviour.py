@@ -293,3 +293,30 @@ def test_buffers_eval_and_state_dict() -> None:
         assert out["keys_match"] and out["prefixed_loaded"] and out["plain_loaded"]
         # Without the broadcast rank 1 would be off by (1 - momentum) * 1.0 = 0.9.
         assert out["running_mean_error"] < 1e-6, (rank, out["running_mean_error"])
+
+
+def _default_caps(rank: int, world: int) -> dict:
+    """The default cap with the ranks where they are (one host), then with ranks 0 and 1 on
+    one host and rank 2 on another ([Note: the default bucket cap])."""
+    from gradsync.comm import hosts
+
+    # 16.25 MiB of fp32 gradients: "scaled" is 2.03 MiB, torch's cap 25.
+    model = torch.nn.Sequential(
+        *[torch.nn.Linear(1024, 1024, bias=False) for _ in range(4)], torch.nn.Linear(1024, 64)
+    )
+    out = {"one host": gradsync.DistributedDataParallel(model).bucket_cap_mb}
+    with mock.patch.object(hosts, "host_key", lambda: "a" if rank < 2 else "b"):
+        two = gradsync.DistributedDataParallel(model)
+        out["two hosts"] = (two.bucket_cap_mb, len(two.bucket_specs))
+        out["25 asked for"] = gradsync.DistributedDataParallel(
+            model, bucket_cap_mb=25
+        ).bucket_cap_mb
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_the_default_cap_is_torchs_on_one_host_and_scaled_across_hosts() -> None:
+    for rank, out in enumerate(spawn(_default_caps, 3)):
+        assert out["one host"] == 25.0, (rank, out)
+        assert out["two hosts"][0] == pytest.approx(2.0313, abs=1e-4), (rank, out)
+        assert out["two hosts"][1] == 5 and out["25 asked for"] == 25.0, (rank, out)

@@ -33,7 +33,8 @@ def test_bench_cli_on_loopback_writes_report_and_plots(tmp_path: Path) -> None:
     for name in [
         "average_gradients",
         "gradsync cap 0 MB (per parameter)",
-        "gradsync default (scaled)",
+        "gradsync default",
+        "gradsync scaled",
         "gradsync cap 25 MB",
         "gradsync one bucket",
         "gradsync bucket_cap_mb='auto'",
@@ -57,6 +58,9 @@ def test_bench_cli_on_loopback_writes_report_and_plots(tmp_path: Path) -> None:
     per_param = result["comm_bytes"]["gradsync cap 0 MB (per parameter)"]
     assert len(per_param) == len(result["comm_bytes"]["average_gradients"])
     assert len(result["comm_bytes"]["gradsync one bucket"]) == 1
+    # Two ranks on one host: the default is torch's 25 MiB, the plan of the 25 MB row.
+    assert result["default_plan"].startswith("cap 25 MB:"), result["default_plan"]
+    assert result["comm_bytes"]["gradsync default"] == result["comm_bytes"]["gradsync cap 25 MB"]
     # --formats: bytes per step for each wire format. bf16 sends half of fp32's gradient bytes,
     # plus gradsync's exact flags and tags (a few elements per parameter: within 10%).
     sent = result["step_bytes"]

@@ -51,5 +51,7 @@ def test_train_gpt_across_nodes_matches_one_process(
     assert all(r.ok for r in results), describe(results)
     node0 = results[0].stdout
     assert f"gradsync: {world} rank(s)" in node0, describe(results)
+    # Ranks on two hosts: the default is "scaled" (its 1 MiB floor for this small model).
+    assert "(cap 1 MiB)" in node0, describe(results)
     assert "PASS" in node0 and f"N={world} ranks" in node0, describe(results)
     assert (tmp_path / "run" / "checkpoint.pt").exists()  # written by global rank 0, on node 0

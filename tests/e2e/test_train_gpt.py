@@ -26,6 +26,7 @@ def test_train_gpt_matches_single_process(tmp_path: Path) -> None:
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out
     assert "PASS" in out and "float64" in out, out
+    assert "(cap 25 MiB)" in out, out  # two ranks on one host: the default is torch's cap
     # The step timeline: reports from step 2 on (one step behind), and its plot.
     assert "step timeline, last 10 steps: median step" in out, out
     assert (tmp_path / "tl.png").stat().st_size > 10_000

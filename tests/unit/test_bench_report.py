@@ -65,7 +65,8 @@ def fake_result(rate_mbit: float | None) -> dict[str, Any]:
     names = [
         ("average_gradients", "naive", 25.0),
         ("gradsync cap 0 MB (per parameter)", "gradsync", 0.0),
-        ("gradsync default (scaled)", "gradsync", "scaled"),
+        ("gradsync default", "gradsync", "default"),
+        ("gradsync scaled", "gradsync", "scaled"),
         ("gradsync cap 25 MB", "gradsync", 25.0),
         ("gradsync one bucket", "gradsync", math.inf),
         ("gradsync bucket_cap_mb='auto'", "gradsync_auto", None),
@@ -75,7 +76,8 @@ def fake_result(rate_mbit: float | None) -> dict[str, Any]:
     step = {
         "average_gradients": [1.1, 1.0, 1.2],
         "gradsync cap 0 MB (per parameter)": [0.95, 0.9, 0.9],
-        "gradsync default (scaled)": [0.7, 0.8, 0.7],
+        "gradsync default": [0.7, 0.8, 0.7],
+        "gradsync scaled": [0.75, 0.75, 0.75],
         "gradsync cap 25 MB": [0.69, 0.69, 0.69],
         "gradsync one bucket": [1.0, 1.0, 1.0],
         "gradsync bucket_cap_mb='auto'": [0.72, 0.72, 0.72],
@@ -106,7 +108,7 @@ def fake_result(rate_mbit: float | None) -> dict[str, Any]:
 def test_variant_rows_and_targets_from_a_result() -> None:
     result = fake_result(1000.0)
     rows = {r.name: r for r in report.variant_rows(result)}
-    default = rows["gradsync default (scaled)"]
+    default = rows["gradsync default"]
     assert default.step == pytest.approx(0.7)
     assert default.ratio_to_torch == pytest.approx(0.7 / 0.8)
     # Round by round: 0.7/0.8, 0.8/0.8, 0.7/0.9, whose median is 0.875 too.
@@ -150,7 +152,7 @@ def test_loopback_has_no_ring_bound_and_reports_render(tmp_path: Path) -> None:
     assert bw.ring_bound is None and bw.ratio is None
     assert not any(w.startswith("all-reduce") for w, _, _ in report.targets(loop))
     text = report.markdown_report([fake_result(1000.0), loop], ["a.png"])
-    assert "| gradsync default (scaled) | 700 |" in text
+    assert "| gradsync default | 700 |" and "| gradsync scaled | 750 |" in text
     assert "0.75" in text and "![a.png](a.png)" in text
     plots.plot_step_vs_bucket([fake_result(1000.0), loop], str(tmp_path / "a.png"))
     plots.plot_breakdown([fake_result(1000.0), loop], str(tmp_path / "b.png"))

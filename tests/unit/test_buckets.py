@@ -83,8 +83,11 @@ def test_scaled_cap_is_an_eighth_of_the_gradients_between_1_and_25_mib() -> None
     params = [(4 * MB, F32), (8 * MB, torch.bfloat16), (8 * MB, F32)]  # 16 + 16 + 32 MiB
     assert resolve_cap("scaled", params) == resolve_cap("auto", params) == 8.0
     assert resolve_cap(5.0, params) == 5.0 and resolve_cap(math.inf, params) == math.inf
-    # None is torch DDP's meaning (the default), not "one bucket" (math.inf is that).
-    assert resolve_cap(None, params) == resolve_cap("scaled", params)
+    # None is torch DDP's meaning (the default), not "one bucket" (math.inf is that): torch's
+    # 25 MiB where the ranks share one host, "scaled" across hosts or where that is not known.
+    assert resolve_cap(None, params, hosts=1) == 25.0 == resolve_cap(None, [], hosts=1)
+    assert resolve_cap(None, params, hosts=2) == resolve_cap(None, params) == 8.0
+    assert resolve_cap("scaled", params, hosts=1) == 8.0  # a word asked for is kept
     # The 1 MiB floor is on the wire: bf16 (half the bytes) buckets hold at least 2 MiB;
     # PowerSGD's ~1/80 of the bytes keeps torch's 25 MiB however small the model.
     assert scaled_cap_mb(50 * MB, 25 * MB) == 6.25 and scaled_cap_mb(8 * MB, 4 * MB) == 2.0
@@ -107,18 +110,18 @@ def test_parse_cap() -> None:
             parse_cap(bad)
 
 
-def test_the_wrapper_defaults_to_the_scaled_cap(one_rank) -> None:  # type: ignore[no-untyped-def]
-    # 16.25 MiB of fp32 gradients: 2.03 MiB buckets, where 25 MiB would make two buckets (the
-    # 1 MiB first one and the rest).
+def test_the_wrapper_defaults_to_torchs_cap_on_one_host(one_rank) -> None:  # type: ignore[no-untyped-def]
+    # 16.25 MiB of fp32 gradients: on one host torch's 25 MiB, two buckets (the 1 MiB first one
+    # and the rest); "scaled" (the default across hosts) makes 2.03 MiB buckets.
     model = nn.Sequential(
         *[nn.Linear(1024, 1024, bias=False) for _ in range(4)], nn.Linear(1024, 64)
     )
     grad_bytes = sum(p.numel() * 4 for p in model.parameters())
     ddp = gradsync.DistributedDataParallel(model)
-    assert ddp.bucket_cap_mb == scaled_cap_mb(grad_bytes) == pytest.approx(2.0313, abs=1e-4)
-    assert [list(s.param_indices) for s in ddp.bucket_specs] == [[5, 4], [3], [2], [1], [0]]
-    fixed = gradsync.DistributedDataParallel(model, bucket_cap_mb=25.0)
-    assert fixed.bucket_cap_mb == 25.0 and len(fixed.bucket_specs) == 2
+    assert ddp.bucket_cap_mb == 25.0 and len(ddp.bucket_specs) == 2
+    scaled = gradsync.DistributedDataParallel(model, bucket_cap_mb="scaled")
+    assert scaled.bucket_cap_mb == scaled_cap_mb(grad_bytes) == pytest.approx(2.0313, abs=1e-4)
+    assert [list(s.param_indices) for s in scaled.bucket_specs] == [[5, 4], [3], [2], [1], [0]]
     named = list(model.named_parameters())
     sizes = [(p.numel(), p.dtype) for _, p in named]
     assert wire_bytes(None, named, sizes) == grad_bytes
@@ -127,7 +130,8 @@ def test_the_wrapper_defaults_to_the_scaled_cap(one_rank) -> None:  # type: igno
     # bias exact; the scaled cap then stays at 25 MiB.
     psgd = gradsync.comm.PowerSGD(rank=4)
     assert wire_bytes(psgd, named, sizes) == 4 * (4 * 2048 * 4 + 1088 * 4 + 64)
-    assert gradsync.DistributedDataParallel(model, compression=psgd).bucket_cap_mb == 25.0
+    psgd_ddp = gradsync.DistributedDataParallel(model, compression=psgd, bucket_cap_mb="scaled")
+    assert psgd_ddp.bucket_cap_mb == 25.0
 
 
 def test_strip_prefixes() -> None:

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from gradsync.bench.report import fixed_caps, variant_rows
+from gradsync.bench.variant import DEFAULT_CAP
 from gradsync.ddp.plan import SCALED
 
 
@@ -45,9 +46,11 @@ def plot_step_vs_bucket(results: Sequence[dict[str, Any]], path: str) -> None:
         )
         ax.errorbar(xs, ms, yerr=err, marker="o", color="tab:blue", capsize=3, label="gradsync")
         styles = {"torch_ddp": ("tab:red", "--"), "naive": ("tab:gray", ":"),
-                  "gradsync_auto": ("tab:green", "-."), SCALED: ("tab:purple", "-.")}  # fmt: skip
+                  "gradsync_auto": ("tab:green", "-."), SCALED: ("tab:purple", "-."),
+                  DEFAULT_CAP: ("tab:orange", "-")}  # fmt: skip
         for r in rows:
-            style = styles.get(SCALED if r.bucket_cap_mb == SCALED else r.kind)
+            words = (SCALED, DEFAULT_CAP)
+            style = styles.get(r.bucket_cap_mb if r.bucket_cap_mb in words else r.kind)
             if style is not None:
                 color, ls = style
                 ax.axhline(r.step * 1e3, color=color, ls=ls, label=r.name)

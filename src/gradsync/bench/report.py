@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gradsync.bench import wire
-from gradsync.ddp.plan import SCALED
+from gradsync.bench.variant import DEFAULT_CAP
 from gradsync.testing.netns import PAYLOAD_FRACTION
 
 MIB = 2**20
@@ -194,7 +194,7 @@ def busbw_rows(result: dict[str, Any]) -> list[BusbwRow]:
 def targets(result: dict[str, Any]) -> list[tuple[str, bool | None, str]]:
     """(target, met?, the numbers) for one setting; ``None`` where it does not apply."""
     rows = variant_rows(result)
-    default = next(r for r in rows if r.kind == "gradsync" and r.bucket_cap_mb == SCALED)
+    default = next(r for r in rows if r.kind == "gradsync" and r.bucket_cap_mb == DEFAULT_CAP)
     torch_row = next(r for r in rows if r.kind == "torch_ddp")
     # "Best" is the fastest setting, the one a user would pick; its efficiency is what counts.
     gs = [r for r in rows if r.kind == "gradsync" and r.efficiency is not None]

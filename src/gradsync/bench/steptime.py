@@ -21,16 +21,16 @@ from torch import nn
 
 import gradsync
 from gradsync.bench import wire
-from gradsync.bench.variant import Variant
+from gradsync.bench.variant import DEFAULT_CAP, Variant, wrapper_cap
 from gradsync.testing.gpt import GPT, GPTConfig, lm_loss
 
-DEFAULT_NAME = "gradsync default (scaled)"
+DEFAULT_NAME = "gradsync default"
 """The row of gradsync at its default bucket cap, in this harness and in ``gradsync bench``."""
 
 DEFAULT_VARIANTS = (
     Variant("average_gradients", "naive"),
     Variant("gradsync bucket_cap_mb=0", "gradsync", 0.0),
-    Variant(DEFAULT_NAME, "gradsync", "scaled"),
+    Variant(DEFAULT_NAME, "gradsync", DEFAULT_CAP),
     Variant("torch DDP default", "torch_ddp", 25.0),
 )
 
@@ -71,7 +71,7 @@ def _build(
     if variant.kind == "gradsync":
         ddp = gradsync.DistributedDataParallel(
             gpt,
-            bucket_cap_mb=variant.bucket_cap_mb,
+            bucket_cap_mb=wrapper_cap(variant.bucket_cap_mb),
             first_bucket_cap_mb=variant.first_bucket_cap_mb,
             algorithm=variant.algorithm,
         )

@@ -32,9 +32,8 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
 
 import gradsync
-from gradsync.bench.variant import Variant
+from gradsync.bench.variant import DEFAULT_CAP, Variant, wrapper_cap
 from gradsync.comm.powersgd import PowerSGD
-from gradsync.ddp.plan import SCALED
 
 WIRE_KINDS = ("gradsync_wire", "torch_ddp_hook")
 POWERSGD_RANK = 4
@@ -48,8 +47,8 @@ TORCH_DEFAULT_CAP_MB = 25.0
 
 def wire_variants() -> tuple[Variant, ...]:
     return (
-        Variant("gradsync bf16 wire", "gradsync_wire", SCALED, wire="bf16"),
-        Variant("gradsync PowerSGD rank 4", "gradsync_wire", SCALED, wire="powersgd"),
+        Variant("gradsync bf16 wire", "gradsync_wire", DEFAULT_CAP, wire="bf16"),
+        Variant("gradsync PowerSGD rank 4", "gradsync_wire", DEFAULT_CAP, wire="powersgd"),
         Variant(
             "torch DDP + bf16_compress_hook", "torch_ddp_hook", TORCH_DEFAULT_CAP_MB, wire="bf16"
         ),
@@ -89,7 +88,7 @@ def build(variant: Variant, gpt: nn.Module) -> nn.Module:
             compression = PowerSGD(rank=POWERSGD_RANK, start_iter=START_ITER)
         return gradsync.DistributedDataParallel(
             gpt,
-            bucket_cap_mb=variant.bucket_cap_mb,
+            bucket_cap_mb=wrapper_cap(variant.bucket_cap_mb),
             first_bucket_cap_mb=variant.first_bucket_cap_mb,
             compression=compression,
         )
@@ -166,7 +165,7 @@ def wire_table(result: dict[str, Any]) -> str:
     default = next(
         v["name"]
         for v in result["variants"]
-        if v["kind"] == "gradsync" and v["bucket_cap_mb"] == SCALED
+        if v["kind"] == "gradsync" and v["bucket_cap_mb"] == DEFAULT_CAP
     )
     torch_name = next(v["name"] for v in result["variants"] if v["kind"] == "torch_ddp")
     names.insert(1, default)
@@ -195,12 +194,14 @@ def wire_targets(result: dict[str, Any]) -> list[tuple[str, bool | None, str]]:
     base, base_bytes = _row(result, torch_name)
     targets = []
     for (wire, kind, cap), name in names.items():
-        hook = names.get(("bf16", "torch_ddp_hook", TORCH_DEFAULT_CAP_MB if cap == SCALED else cap))
+        hook = names.get(
+            ("bf16", "torch_ddp_hook", TORCH_DEFAULT_CAP_MB if cap == DEFAULT_CAP else cap)
+        )
         if wire != "bf16" or kind != "gradsync_wire" or hook is None:
             continue
         bf16, _ = _row(result, name)
         hook_bf16, _ = _row(result, hook)
-        at = " (default caps)" if cap == SCALED else f" (cap {cap:g} MB)"
+        at = " (default caps)" if cap == DEFAULT_CAP else f" (cap {cap:g} MB)"
         ratio = f"{bf16 / base:.3f}x"
         times = f"{bf16 * 1e3:.0f} vs {hook_bf16 * 1e3:.0f} ms"
         targets.append(
@@ -209,7 +210,7 @@ def wire_targets(result: dict[str, Any]) -> list[tuple[str, bool | None, str]]:
         targets.append(
             (f"gradsync bf16 step < torch DDP + bf16_compress_hook{at}", bf16 < hook_bf16, times)
         )
-    psgd_step, psgd_bytes = _row(result, names[("powersgd", "gradsync_wire", SCALED)])
+    psgd_step, psgd_bytes = _row(result, names[("powersgd", "gradsync_wire", DEFAULT_CAP)])
     reduction = base_bytes / psgd_bytes if base_bytes and psgd_bytes else None
     return [
         *targets,

@@ -11,6 +11,7 @@ from torch import nn
 
 from gradsync.comm import CommHook
 from gradsync.comm.formats import make_comm_hook, wire_bytes
+from gradsync.comm.hosts import count_hosts
 from gradsync.comm.tree_exchange import TreeExchange
 from gradsync.ddp.checks.param_watch import ParameterWatch
 from gradsync.ddp.deterministic import check_compute, refuse_mesh
@@ -41,10 +42,12 @@ def first_reducer(
     grad_dtype = options.main_grad_dtype
     sizes = [(local(p).numel(), grad_dtype or p.dtype) for _, p in named]
     wire = wire_bytes(options.compression, named, sizes)
-    cap_mb = resolve_cap(options.bucket_cap_mb, sizes, wire)
+    group = deadline.group
+    # Only the default cap depends on where the ranks are; every rank has the same options.
+    hosts = count_hosts(deadline) if options.bucket_cap_mb is None else None
+    cap_mb = resolve_cap(options.bucket_cap_mb, sizes, wire, hosts)
     specs = plan_buckets(sizes, cap_to_bytes(cap_mb), cap_to_bytes(options.first_bucket_cap_mb))
     device = local(named[0][1]).device if named else torch.device("cpu")
-    group = deadline.group
     if options.deterministic is not None:
         refuse_mesh(mesh_axes, layouts)
         buffers = options.broadcast_buffers and any(True for _ in owner.buffers())

@@ -18,7 +18,7 @@ import torch
 from gradsync.comm import AllReduceAlgorithm, PowerSGD, get_algorithm
 from gradsync.comm.formats import Compression, describe_compression, describe_compression_state
 from gradsync.ddp.deterministic import deterministic_settings, refuse_in_deterministic_mode
-from gradsync.ddp.plan import SCALED, check_cap
+from gradsync.ddp.plan import check_cap
 from gradsync.ddp.reduction import check_reduction
 from gradsync.errors import UsageError
 
@@ -27,11 +27,12 @@ from gradsync.errors import UsageError
 class SyncOptions:
     """The wrapper's settings; the constructor's keyword arguments of the same names."""
 
-    bucket_cap_mb: float | str | None = SCALED
-    """Bucket size in MiB: ``"scaled"`` (the default: an eighth of the gradients' bytes,
-    between 1 and 25 MiB; ``None`` means the default, as in torch DDP), a number (``0``: a
-    bucket per parameter; ``math.inf``: one bucket per dtype) or ``"auto"`` (chosen from this
-    job's profile; see ``autotune.py``)."""
+    bucket_cap_mb: float | str | None = None
+    """Bucket size in MiB: ``None``, the default (torch's 25 MiB where every rank of the group
+    shares one host, ``"scaled"`` across hosts: see [Note: the default bucket cap] in
+    ``plan.py``), ``"scaled"`` (an eighth of the gradients' bytes, between 1 and 25 MiB), a
+    number (``0``: a bucket per parameter; ``math.inf``: one bucket per dtype) or ``"auto"``
+    (chosen from this job's profile; see ``autotune.py``)."""
 
     first_bucket_cap_mb: float | None = 1.0
     """A lower cap for the first bucket (the last layers' gradients), so that communication
@@ -110,8 +111,6 @@ class SyncOptions:
         object.__setattr__(self, "algorithm", get_algorithm(self.algorithm))
         describe_compression(self.compression)
         check_cap(self.bucket_cap_mb)
-        if self.bucket_cap_mb is None:  # torch DDP's None: the default cap
-            object.__setattr__(self, "bucket_cap_mb", SCALED)
         refuse_in_deterministic_mode(
             self.deterministic, self.compression, self.all_reduce.name, self.auto
         )

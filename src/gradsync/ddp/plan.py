@@ -44,22 +44,29 @@ class BucketSpec:
 # 1 MiB first bucket, and the second is ready only halfway through the backward. On a slow
 # link the wire idles until then, and the second half's whole transfer comes after the
 # backward. Measured on two simulated nodes at 1 Gbit/s with a 12.7M-parameter GPT (50.7 MB):
-# 25 MiB 0.95-1.03x torch DDP's step, 5 MiB 0.83-0.86x, while on loopback the two are within
-# noise of each other. So the default, "scaled", is an eighth of the model's gradient bytes:
-# at least eight buckets, so that the wire waits for about an eighth of the backward before
-# the second bucket and about an eighth of the all-reduce is left after it. Bucket sizes stay
-# between 1 MiB *on the wire* (below it a collective's fixed cost dominates) and torch's 25 MiB
-# (reached at 200 MiB of gradients; larger models get torch's plan). The floor counts wire
-# bytes because a compressed bucket pays the fixed costs of its collectives (PowerSGD: two,
-# one after the other) for far fewer bytes: bf16 halves the bytes, so its buckets hold at
-# least 2 MiB of fp32 gradients; PowerSGD rank 4 sends ~1/80 of them, so its buckets stay at
-# 25 MiB (measured on the same GPT: 0.571x torch DDP's step at 25 MiB, 0.614x at 6 MiB on
-# the slow link; 1.026x and 1.089x on loopback). Unlike "auto" the rule reads only the
-# parameters' sizes and the wire format: the same plan on every rank, in every run of the job
-# and in its resume, so the bits a run computes do not depend on timings.
+# 25 MiB 0.95-1.03x torch DDP's step, 5 MiB 0.83-0.86x. So across hosts the default is
+# "scaled", an eighth of the model's gradient bytes: at least eight buckets, so that the wire
+# waits for about an eighth of the backward before the second bucket and about an eighth of
+# the all-reduce is left after it. Bucket sizes stay between 1 MiB *on the wire* (below it a
+# collective's fixed cost dominates) and torch's 25 MiB (reached at 200 MiB of gradients;
+# larger models get torch's plan). The floor counts wire bytes because a compressed bucket
+# pays the fixed costs of its collectives (PowerSGD: two, one after the other) for far fewer
+# bytes: bf16 halves the bytes, so its buckets hold at least 2 MiB of fp32 gradients;
+# PowerSGD rank 4 sends ~1/80 of them, so its buckets stay at 25 MiB (measured on the same
+# GPT: 0.571x torch DDP's step at 25 MiB, 0.614x at 6 MiB on the slow link).
+#
+# Where every rank of the group shares one host (one machine, one network namespace: loopback,
+# shared memory, NVLink), the link is fast and overlap gains little, while every collective
+# has a fixed cost, paid on the same cores as the backward where the ranks are CPU processes:
+# about 0.7 ms each with gloo on loopback. There the same GPT took 1.02-1.04x torch DDP's step
+# with the scaled plan's 12 all-reduces and 1.00x with torch's 25 MiB (3), so one host gets
+# torch's cap. Unlike "auto" the rule reads only the parameters' sizes, the wire format and
+# where the ranks are: the same plan on every rank, in every run of the job and in a resume
+# on the same hosts, so the bits a run computes do not depend on timings.
 SCALED = "scaled"
 SCALED_BUCKETS = 8
 SCALED_MIN_MB, SCALED_MAX_MB = 1.0, 25.0
+ONE_HOST_MB = 25.0  # torch DDP's cap: the default where the group's ranks share one host
 CAP_WORDS = (SCALED, "auto")  # the strings bucket_cap_mb takes (auto: see autotune.py)
 
 
@@ -92,12 +99,17 @@ def resolve_cap(
     bucket_cap_mb: float | str | None,
     params: Sequence[tuple[int, torch.dtype]],
     wire_bytes: int | None = None,
+    hosts: int | None = None,
 ) -> float | None:
     """The cap in MiB a wrapper plans its buckets with, for parameters given as ``(numel,
-    dtype)`` whose gradients take ``wire_bytes`` on the wire: "scaled" from those bytes,
-    "auto" starts from "scaled" (until it has chosen). ``None`` is torch DDP's meaning, the
-    default ("scaled"); ``math.inf`` is one bucket per dtype."""
+    dtype)`` whose gradients take ``wire_bytes`` on the wire, over ranks on ``hosts`` hosts.
+    ``None``, the default, is torch's 25 MiB on one host and "scaled" across hosts or where
+    ``hosts`` is not known (see [Note: the default bucket cap]); "scaled" is computed from the
+    bytes; "auto" starts from "scaled" (until it has chosen); ``math.inf`` is one bucket per
+    dtype."""
     check_cap(bucket_cap_mb)
+    if bucket_cap_mb is None and hosts == 1:
+        return ONE_HOST_MB
     if bucket_cap_mb is None or isinstance(bucket_cap_mb, str):
         return scaled_cap_mb(grad_bytes(params), wire_bytes)
     return bucket_cap_mb

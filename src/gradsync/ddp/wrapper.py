@@ -63,10 +63,10 @@ class DistributedDataParallel(TorchSurface, TorchDDP):  # type: ignore[override,
         device_ids, output_device, dim, broadcast_buffers, process_group and the rest:
             torch's meaning, or refused with what to use instead (``mixed_precision``,
             ``bucket_cap_mb_list``, the delayed all-reduce pair).
-        bucket_cap_mb: bucket size in MiB. ``None`` or ``"scaled"`` (the default): an eighth
-            of the gradients' bytes, 1 to 25 MiB ([Note: the default bucket cap] in
-            ``plan.py``); ``0``: one all-reduce per parameter; ``math.inf``: one bucket per
-            dtype; ``"auto"``: chosen from this job's profile (:attr:`bucket_plan`).
+        bucket_cap_mb: bucket size in MiB. ``None`` (the default): torch's 25 on one host,
+            ``"scaled"`` across hosts (an eighth of the gradients' bytes, 1 to 25 MiB; [Note:
+            the default bucket cap] in ``plan.py``); ``0``: one all-reduce per parameter;
+            ``math.inf``: one bucket per dtype; ``"auto"``: from this job's profile.
         device_mesh: instead of ``process_group``, the (sub-)mesh whose ranks saw different
             data, e.g. ``mesh["dp"]`` or ``mesh["dp", "cp"]`` (never a tensor-parallel axis).
 
