@@ -59,7 +59,7 @@ docs: $(VENV)/.installed
 # and exits 1 if a check fails, 2 without CUDA. It needs no install: the lent GPU machines have a
 # python3 with CUDA torch and no network, so gradsync runs from src/ with .venv's python where
 # there is one, else python3. GPU_CHECK_ARGS="--out DIR", "--groups correctness syncs", "--dry"
-# (the CPU wiring check that tests/e2e/test_gpu_check_dry.py runs).
+# (the CPU wiring check that tests/dist/test_gpu_check_dry.py runs).
 GPU_PY ?= $(if $(wildcard $(PY)),$(PY),python3)
 GPU_CHECK_ARGS ?=
 gpu-check:

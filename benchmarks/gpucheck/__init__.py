@@ -17,5 +17,5 @@ The entry point is ``benchmarks/gpu_check.py``; each module here holds one group
 ``common.py`` holds what they share (the check record, the time budget, the small GPT with a
 slow backward kernel); ``report.py`` writes the markdown and JSON report. ``--dry`` runs every
 group on CPU gloo ranks with tiny models, so the code cannot rot between GPU lendings
-(``tests/e2e/test_gpu_check_dry.py``).
+(``tests/dist/test_gpu_check_dry.py``).
 """

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -72,19 +74,59 @@ def test_a_rank_killed_inside_the_all_reduce_is_named_dead(tmp_path: Path) -> No
     assert elapsed < DEADLINE + SLACK, (elapsed, out)
 
 
+def _pending_signals(pid: int) -> int:
+    """The signals pending for ``pid`` (thread and process), as a bit mask; 0 once it is gone."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return 0
+    fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
+    return int(fields["SigPnd"], 16) | int(fields["ShdPnd"], 16)
+
+
 @pytest.mark.timeout(150)
-def test_a_stopped_rank_ends_the_job_within_torchruns_kill_grace(tmp_path: Path) -> None:
-    # Rank 0 raises at the deadline and exits. A SIGSTOPped rank cannot act on torchrun's
-    # SIGTERM; torchrun 2.13 sends SIGKILL 30 s later on this path (its --shutdown-timeout is
-    # not used there), so the job ends at the deadline plus that fixed grace.
-    proc, elapsed = run_job("sigstop", tmp_path)
-    out = proc.stdout + proc.stderr
+def test_a_stopped_rank_is_named_and_torchrun_is_left_to_end_it(tmp_path: Path) -> None:
+    # Rank 0 raises at the deadline and exits; torchrun then sends SIGTERM to the other rank.
+    # A SIGSTOPped rank takes it only once continued (torchrun 2.13 sends SIGKILL 30 s later
+    # on this path; its --shutdown-timeout is not used there). The test waits until torchrun's
+    # SIGTERM is pending, then continues the rank instead of waiting those 30 s.
+    marker = tmp_path / "job-sigstop"
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+        str(SCRIPT), "sigstop", "--timeout", str(DEADLINE), "--marker", str(marker),
+    ]  # fmt: skip
+    env = dict(os.environ, OMP_NUM_THREADS="1", TMPDIR=str(tmp_path))
+    t0 = time.monotonic()
+    proc = subprocess.Popen(
+        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)  # type: ignore[arg-type]
+    reader.start()
+    try:
+        pid, sigterm = None, 1 << (signal.SIGTERM - 1)
+        while time.monotonic() - t0 < DEADLINE + SLACK and proc.poll() is None:
+            said = [m for line in lines if (m := re.match(r"RANK 1 STOPS (\d+)", line))]
+            pid = int(said[0].group(1)) if said else None
+            if pid is not None and _pending_signals(pid) & sigterm:
+                break
+            time.sleep(0.1)
+        stopped_for = time.monotonic() - t0
+        assert pid is not None and _pending_signals(pid) & sigterm, "".join(lines)
+        os.kill(pid, signal.SIGCONT)
+        proc.wait(timeout=30)
+    finally:
+        proc.kill()
+        reader.join(timeout=10)
+    out = "".join(lines)
     assert proc.returncode != 0, out
     assert "RANK 0 ERROR CollectiveTimeoutError" in out and "rank 1: last seen" in out, out
     assert "is stopped)" in out, out  # seen from the same host: stopped, not dead
     gave_up = float(re.search(r"RANK 0 ELAPSED ([0-9.]+)", out).group(1))  # type: ignore[union-attr]
     assert gave_up < DEADLINE + 5, out  # rank 0 itself gave up at the deadline
-    assert elapsed < DEADLINE + 30 + SLACK, (elapsed, out)
+    assert stopped_for < DEADLINE + SLACK, (stopped_for, out)  # and torchrun began to end the job
+    leftovers = subprocess.run(["pgrep", "-f", str(marker)], capture_output=True, text=True)
+    assert leftovers.stdout.strip() == "", f"processes left behind: {leftovers.stdout}"
 
 
 @pytest.mark.timeout(150)

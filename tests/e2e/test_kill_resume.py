@@ -13,12 +13,14 @@ import os
 import random
 import subprocess
 import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 import torch
 
 from gradsync.checkpoint import load_checkpoint
+from gradsync.testing.spawn import spawn
 
 SCRIPT = Path(__file__).parent / "scripts" / "resume_job.py"
 
@@ -39,17 +41,23 @@ def run_job(world: int, folder: Path, *extra: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Path]:
-    """The same job with no fault, per world size, run once for the module."""
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[[int], Path]]:
+    """The same job with no fault, per world size, run once for the module: on the pool's
+    ranks, which share one start-up (the faulty runs are the ones that need torchrun)."""
     runs: dict[int, Path] = {}
+    sys.path.insert(0, str(SCRIPT.parent))  # the pool's ranks get this sys.path too
+    try:
+        import resume_job
 
-    def get(world: int) -> Path:
-        if world not in runs:
-            runs[world] = tmp_path_factory.mktemp(f"uninterrupted-{world}")
-            run_job(world, runs[world])
-        return runs[world]
+        def get(world: int) -> Path:
+            if world not in runs:
+                runs[world] = tmp_path_factory.mktemp(f"uninterrupted-{world}")
+                spawn(resume_job.uninterrupted, world, (str(runs[world]),))
+            return runs[world]
 
-    return get  # type: ignore[return-value]
+        yield get
+    finally:
+        sys.path.remove(str(SCRIPT.parent))
 
 
 def differences(a: dict, b: dict) -> list[str]:

@@ -102,9 +102,11 @@ def test_a_rank_that_exits_before_reporting_is_named_with_its_exit_code() -> Non
 # -- the pool: workers that run case after case ---------------------------------------------------
 # A private pool, so that these cases do not disturb the session's (conftest.py), except where
 # a test checks that spawn uses the session's pool.
-def _run(pool: RankPool, fn, args: tuple = (), timeout_s: float = TIMEOUT_S) -> list:  # type: ignore[no-untyped-def]
+def _run(
+    pool: RankPool, fn, args: tuple = (), timeout_s: float = TIMEOUT_S, grace_s: float = 5.0
+) -> list:  # type: ignore[no-untyped-def]
     return spawn(
-        fn, 2, args, timeout_s=timeout_s, return_failures=True, teardown_grace_s=5.0, pool=pool
+        fn, 2, args, timeout_s=timeout_s, return_failures=True, teardown_grace_s=grace_s, pool=pool
     )
 
 
@@ -155,8 +157,9 @@ def _spoil(rank: int, world: int) -> dict:
 
 @pytest.mark.timeout(120)
 def test_a_pooled_case_finds_the_state_of_a_fresh_process(pool: RankPool) -> None:
-    first = _run(pool, _spoil)
-    second = _run(pool, _state)
+    # A long grace: a teardown slowed past it by a busy machine would replace the workers.
+    first = _run(pool, _spoil, grace_s=60.0)
+    second = _run(pool, _state, grace_s=60.0)
     for before, after in zip(first, second, strict=True):
         assert before["pid"] == after["pid"]  # the same worker ran both cases
         assert not after["stored"] and after["groups"] == 1  # a new group and store
@@ -176,7 +179,8 @@ def _pid(rank: int, world: int) -> int:
 
 @pytest.mark.timeout(120)
 def test_a_case_that_raises_is_named_and_its_workers_are_replaced(pool: RankPool) -> None:
-    before = _run(pool, _pid)
+    _run(pool, _pid)
+    before = pool.pids()  # not the pids _pid returned: a slow teardown replaces its workers
     out = _run(pool, _raise_on_1)
     assert out[0] == before[0]
     assert isinstance(out[1], RankFailure) and out[1].exc_type == "ValueError", out[1]
@@ -193,7 +197,8 @@ def _hang_on_0(rank: int, world: int) -> int:
 
 @pytest.mark.timeout(120)
 def test_a_hung_case_fails_at_its_deadline_and_the_next_case_runs(pool: RankPool) -> None:
-    before = _run(pool, _pid)  # started up: the deadline below is the case's own
+    _run(pool, _pid)  # started up: the deadline below is the case's own
+    before = pool.pids()  # not the pids _pid returned: a slow teardown replaces its workers
     t0 = time.monotonic()
     out = _run(pool, _hang_on_0, timeout_s=3.0)
     assert time.monotonic() - t0 < 3.0 + 5.0
@@ -216,7 +221,8 @@ def _die(rank: int, world: int, how: str) -> int:
 def test_a_case_that_kills_its_process_is_named_and_the_next_case_runs(
     pool: RankPool, how: str, said: str
 ) -> None:
-    before = _run(pool, _pid)
+    _run(pool, _pid)
+    before = pool.pids()  # not the pids _pid returned: a slow teardown replaces its workers
     out = _run(pool, _die, args=(how,))
     assert out[0] == before[0]
     assert isinstance(out[1], RankFailure), out[1]
@@ -233,7 +239,8 @@ def _leave_a_thread(rank: int, world: int) -> int:
 
 @pytest.mark.timeout(120)
 def test_a_case_that_hangs_its_teardown_is_killed_after_the_grace(pool: RankPool) -> None:
-    before = _run(pool, _pid)
+    _run(pool, _pid)
+    before = pool.pids()  # not the pids _pid returned: a slow teardown replaces its workers
     t0 = time.monotonic()
     out = _run(pool, _leave_a_thread)
     assert time.monotonic() - t0 < 5.0 + 5.0  # the grace, not the thread's 1000 s

@@ -70,6 +70,7 @@ def main() -> None:
 
 def misbehave(fault: str, ddp: gradsync.DistributedDataParallel) -> None:
     if fault == "sigstop":
+        print(f"RANK 1 STOPS {os.getpid()}", flush=True)  # the test continues it at the end
         os.kill(os.getpid(), signal.SIGSTOP)
     elif fault == "sigkill":
         os.kill(os.getpid(), signal.SIGKILL)

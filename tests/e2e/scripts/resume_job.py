@@ -42,11 +42,23 @@ def main() -> None:
     p.add_argument("--kill-at", type=int, default=5)
     args = p.parse_args()
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
-    rank = dist.get_rank()
     first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
-    kill = args.kill if first_attempt and rank == args.kill_rank else "none"
+    kill = args.kill if first_attempt and dist.get_rank() == args.kill_rank else "none"
+    train(args.folder, kill, args.kill_at)
+    dist.destroy_process_group()
+
+
+def uninterrupted(rank: int, world: int, folder: str) -> None:
+    """The job with no fault, on ranks that ``gradsync.testing.spawn`` started (the test's
+    reference runs on its pool of ranks, without torchrun)."""
+    train(folder)
+
+
+def train(folder: str, kill: str = "none", kill_at: int = 5) -> None:
+    """The job, on the initialised default group."""
+    rank = dist.get_rank()
     if kill == "save":
-        kill_while_writing(args.kill_at)
+        kill_while_writing(kill_at)
 
     gen = torch.Generator().manual_seed(0)
     data = TensorDataset(
@@ -61,7 +73,7 @@ def main() -> None:
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.05, total_steps=STEPS)
     torch.manual_seed(1000 + rank)  # each rank's dropout masks are its own
     ckpt = Checkpointer(
-        args.folder, model=ddp, optimizer=opt, lr_scheduler=sched, sampler=sampler, keep=2,
+        folder, model=ddp, optimizer=opt, lr_scheduler=sched, sampler=sampler, keep=2,
         timeout=60,
     )  # fmt: skip
     step = ckpt.load() or 0
@@ -78,7 +90,7 @@ def main() -> None:
             x, y = batch
             with ddp.no_sync() if micro < MICRO - 1 else contextlib.nullcontext():
                 (F.cross_entropy(ddp(x), y) / MICRO).backward()
-            if kill == "step" and step + 1 == args.kill_at:
+            if kill == "step" and step + 1 == kill_at:
                 os.kill(os.getpid(), signal.SIGKILL)  # mid-step: between two micro-batches
         opt.step()
         sched.step()
@@ -87,8 +99,7 @@ def main() -> None:
         if step % SAVE_EVERY == 0:
             ckpt.save(step)
     final = {"model": ddp.state_dict(), "optimizer": opt.state_dict(), "rng": torch.get_rng_state()}
-    save_checkpoint(final, os.path.join(args.folder, f"final-{rank}.pt"))
-    dist.destroy_process_group()
+    save_checkpoint(final, os.path.join(folder, f"final-{rank}.pt"))
 
 
 def kill_while_writing(step: int) -> None:
