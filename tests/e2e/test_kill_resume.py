@@ -58,6 +58,7 @@ def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable
         yield get
     finally:
         sys.path.remove(str(SCRIPT.parent))
+        sys.modules.pop("resume_job", None)
 
 
 def differences(a: dict, b: dict) -> list[str]:
