@@ -82,6 +82,15 @@ class LaunchError(GradsyncError, RuntimeError):
     results: list[Any]  # each node's NodeResult, set by the harness
 
 
+def first_line(error: BaseException, default: str | None = None) -> str:
+    """The first line of ``error``'s message, for a one-line report of it; ``default`` where the
+    message is empty (the error's type name unless given)."""
+    text = str(error)
+    if text:
+        return text.splitlines()[0]
+    return type(error).__name__ if default is None else default
+
+
 __all__ = [
     "CheckpointError",
     "ClusterError",

@@ -40,7 +40,7 @@ from gradsync.comm.algorithm import Handle
 from gradsync.comm.grad_bucket import GradBucketView
 from gradsync.comm.hook import BucketLike, CommHook, tail
 from gradsync.comm.worker import SerialWorker
-from gradsync.errors import GradsyncError, ProtocolError, UsageError
+from gradsync.errors import GradsyncError, ProtocolError, UsageError, first_line
 from gradsync.failfast.deadline import Deadline
 from gradsync.failfast.group import is_backend_failure
 
@@ -104,7 +104,7 @@ class TorchHookAdapter(CommHook):
         except Exception as exc:
             if is_backend_failure(exc):
                 raise  # a lost peer or a timeout: the deadline names the rank at fault
-            cause = str(exc).splitlines()[0] if str(exc) else ""
+            cause = first_line(exc, default="")
             raise self._fault(index, f"raised {type(exc).__name__}: {cause}") from exc
 
     def _checked(self, result: object, bucket: BucketLike) -> torch.Tensor:
@@ -385,5 +385,5 @@ def _by_value(values: list[str]) -> str:
 
 
 def _summary(exc: BaseException) -> str:
-    text = str(exc).splitlines()[0] if str(exc) else ""
+    text = first_line(exc, default="")
     return f"{type(exc).__name__}: {text.removeprefix('gradsync: ')}"[:300]

@@ -30,6 +30,7 @@ from typing import NamedTuple
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
+from gradsync.errors import first_line
 from gradsync.failfast.liveness import Fate, ProcessId, find_dead, roll_call, this_process
 
 _PREFIX = "gradsync/last_seen/"
@@ -137,7 +138,7 @@ class ArrivalRecords:
             if self.store is not None:
                 self.store.set(key, value)
         except Exception as exc:
-            self._lose_store(_first_line(exc))
+            self._lose_store(first_line(exc))
 
     def _lose_store(self, why: str) -> None:
         self.store, self._store_lost = None, why
@@ -174,7 +175,7 @@ class ArrivalRecords:
     def _diagnose(self, seq: int, what: str, seconds: float) -> str:
         records, error = self._read_all()
         if error is not None:
-            self._lose_store(_first_line(error))
+            self._lose_store(first_line(error))
         if self.store is None:
             return self._without_store(seconds)
         others: dict[int, tuple[str, ProcessId | None]] = {}
@@ -186,7 +187,7 @@ class ArrivalRecords:
         try:
             fates = roll_call(self.store, self._answer_key(self.rank, seq), others, seconds)
         except Exception as exc:
-            self._lose_store(_first_line(exc))
+            self._lose_store(first_line(exc))
             return self._without_store(seconds)
         return self._describe(records, seq, what, fates)
 
@@ -242,10 +243,6 @@ class ArrivalRecords:
             "every rank reached this operation, so one of them failed or died inside it "
             "(look for an earlier error in its log)"
         )
-
-
-def _first_line(exc: BaseException) -> str:
-    return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
 
 
 # What the roll call found out, in words. Only SILENT can come without a process (a rank never

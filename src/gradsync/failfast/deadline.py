@@ -26,7 +26,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-from gradsync.errors import CollectiveTimeoutError, ProtocolError, UsageError
+from gradsync.errors import CollectiveTimeoutError, ProtocolError, UsageError, first_line
 from gradsync.failfast.arrivals import ArrivalRecords
 from gradsync.failfast.group import private_group, release_group
 from gradsync.mesh.dtensors import local
@@ -267,7 +267,7 @@ class Deadline:
             time.sleep(0 if waited < 0.005 else 0.0002)
 
     def _fail(self, what: str, exc: BaseException, waited: float) -> None:
-        cause = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        cause = first_line(exc)
         limit = self.timeout.total_seconds()
         if waited < 0.9 * limit:  # not the deadline: a peer went away
             how = f"lost a peer after {waited:.1f} s while waiting for {what} ({self.where})"

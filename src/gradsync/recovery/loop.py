@@ -32,7 +32,7 @@ from gradsync.checkpoint import Checkpointer
 from gradsync.data import GlobalBatchSampler
 from gradsync.ddp.wrapper import DistributedDataParallel
 from gradsync.elastic import joining
-from gradsync.errors import CollectiveTimeoutError, GradsyncError, UsageError
+from gradsync.errors import CollectiveTimeoutError, GradsyncError, UsageError, first_line
 from gradsync.failfast.deadline import wait_watching, watch_for_regroups
 from gradsync.recovery import heal
 from gradsync.recovery.coverage import check_covered
@@ -250,7 +250,7 @@ class Recovery:
             "generation": new.generation, "lost": sorted(lost), "step": target,
             "phases": phases, "world_size": new.world_size, "rank": new.rank,
             "noticed": noticed, "agreed": agreed, "regrouped": time.time(),
-            "error": f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:300]}",
+            "error": f"{type(exc).__name__}: {first_line(exc, default='')[:300]}",
         }  # fmt: skip
         self.events.append(event)
         self._pending_log = event  # logged once the redone step completes

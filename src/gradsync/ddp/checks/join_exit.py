@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from gradsync.ddp.checks.diagnostics import tensor_checksum
-from gradsync.errors import CollectiveTimeoutError, GradsyncError
+from gradsync.errors import CollectiveTimeoutError, GradsyncError, first_line
 from gradsync.failfast.deadline import Deadline
 from gradsync.failfast.group import is_backend_failure
 
@@ -59,7 +59,7 @@ def foreign_collective_error(exc: BaseException, deadline: Deadline) -> Gradsync
             waiting.append(f"rank {rank}, last seen {now - stamp:.1f} s ago at {what}")
     if not waiting:
         return None
-    cause = str(exc).splitlines()[0][:300] if str(exc) else type(exc).__name__
+    cause = first_line(exc)[:300]
     return CollectiveTimeoutError(
         f"rank {deadline.rank}: a collective the training loop issued itself inside "
         f"model.join(optimizer) failed (backend: {cause}), while a rank out of data waited in "
