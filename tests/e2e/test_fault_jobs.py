@@ -26,18 +26,28 @@ DEADLINE = 3.0
 SLACK = 25.0
 
 
-def run_job(fault: str, tmp_path: Path, *extra: str) -> tuple[subprocess.CompletedProcess, float]:
-    marker = tmp_path / f"job-{fault}"  # in every process's command line, to find leftovers
+def job_command(fault: str, tmp_path: Path, *extra: str) -> tuple[list[str], dict[str, str], Path]:
+    """The torchrun command of the job with ``fault``, its environment, and the marker that is
+    in every one of its processes' command lines (to find leftovers)."""
+    marker = tmp_path / f"job-{fault}"
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
         *extra, str(SCRIPT), fault, "--timeout", str(DEADLINE), "--marker", str(marker),
     ]  # fmt: skip
-    env = dict(os.environ, OMP_NUM_THREADS="1", TMPDIR=str(tmp_path))
+    return cmd, dict(os.environ, OMP_NUM_THREADS="1", TMPDIR=str(tmp_path)), marker
+
+
+def assert_nothing_left(marker: Path) -> None:
+    leftovers = subprocess.run(["pgrep", "-f", str(marker)], capture_output=True, text=True)
+    assert leftovers.stdout.strip() == "", f"processes left behind: {leftovers.stdout}"
+
+
+def run_job(fault: str, tmp_path: Path, *extra: str) -> tuple[subprocess.CompletedProcess, float]:
+    cmd, env, marker = job_command(fault, tmp_path, *extra)
     t0 = time.monotonic()
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
     elapsed = time.monotonic() - t0
-    leftovers = subprocess.run(["pgrep", "-f", str(marker)], capture_output=True, text=True)
-    assert leftovers.stdout.strip() == "", f"processes left behind: {leftovers.stdout}"
+    assert_nothing_left(marker)
     return proc, elapsed
 
 
@@ -90,12 +100,7 @@ def test_a_stopped_rank_is_named_and_torchrun_is_left_to_end_it(tmp_path: Path) 
     # A SIGSTOPped rank takes it only once continued (torchrun 2.13 sends SIGKILL 30 s later
     # on this path; its --shutdown-timeout is not used there). The test waits until torchrun's
     # SIGTERM is pending, then continues the rank instead of waiting those 30 s.
-    marker = tmp_path / "job-sigstop"
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-        str(SCRIPT), "sigstop", "--timeout", str(DEADLINE), "--marker", str(marker),
-    ]  # fmt: skip
-    env = dict(os.environ, OMP_NUM_THREADS="1", TMPDIR=str(tmp_path))
+    cmd, env, marker = job_command("sigstop", tmp_path)
     t0 = time.monotonic()
     proc = subprocess.Popen(
         cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
@@ -125,8 +130,7 @@ def test_a_stopped_rank_is_named_and_torchrun_is_left_to_end_it(tmp_path: Path) 
     gave_up = float(re.search(r"RANK 0 ELAPSED ([0-9.]+)", out).group(1))  # type: ignore[union-attr]
     assert gave_up < DEADLINE + 5, out  # rank 0 itself gave up at the deadline
     assert stopped_for < DEADLINE + SLACK, (stopped_for, out)  # and torchrun began to end the job
-    leftovers = subprocess.run(["pgrep", "-f", str(marker)], capture_output=True, text=True)
-    assert leftovers.stdout.strip() == "", f"processes left behind: {leftovers.stdout}"
+    assert_nothing_left(marker)
 
 
 @pytest.mark.timeout(150)
