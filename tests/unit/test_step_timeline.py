@@ -35,6 +35,27 @@ class ScriptedClock:
     def elapsed_ms(self, start: Any, end: Any) -> float:
         return (end - start) * 1e3
 
+    def reached(self, mark: Any) -> bool:
+        return True
+
+
+class LaggingClock(ScriptedClock):
+    """A GPU behind the host: a mark is reached once ``gpu`` (seconds) has passed it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gpu = 0.0
+        self.waited = 0  # elapsed_ms calls whose end was not reached (a host-GPU wait)
+
+    def elapsed_ms(self, start: Any, end: Any) -> float:
+        if not self.reached(end):  # the host waits until the GPU gets there
+            self.waited += 1
+            self.gpu = end
+        return super().elapsed_ms(start, end)
+
+    def reached(self, mark: Any) -> bool:
+        return bool(mark <= self.gpu)
+
 
 def _at(clock: ScriptedClock, t_ms: float) -> None:
     clock.now = t_ms / 1e3
@@ -111,6 +132,41 @@ def test_a_step_that_raised_is_not_measured() -> None:
     assert rec.resolve() is None
     _step(rec, clock, t)
     assert rec.resolve() is None  # the interval after it has no measured start either
+
+
+def test_one_rank_on_a_gpu_reads_an_interval_a_step_late_rather_than_wait_for_the_gpu() -> None:
+    # [Note: reading a GPU interval late]: with one rank nothing waits for the GPU at the
+    # readout; reading the interval just closed would wait for it every step.
+    clock = LaggingClock()
+    timeline = StepTimeline(1, rank=0, world_size=1, device=torch.device("cpu"))
+    rec = timeline.recorder = PhaseRecorder(clock)
+    width = fields_per_rank(1)
+    t = 0.0
+    for step in range(6):
+        values = timeline.outgoing(1) or [0.0] * width  # one rank's tail: what it wrote
+        t = _step(rec, clock, t + step)  # step s has s ms more of data: its interval 14 + s
+        if step == 4:
+            clock.gpu = clock.now  # the GPU catches up (say, the loop read the loss)
+        else:
+            clock.gpu = clock.now - 0.012  # still in this step's backward
+        timeline.received(values, step)
+        assert rec.late == (1 if step in (2, 3) else 0)  # 1 and 5: nothing read yet
+    assert clock.waited == 0
+    # Each record under the step whose end closed it: 14 ms + that step's extra data.
+    got = {s: recs[0].interval for s, recs in timeline.history if recs[0] is not None}
+    assert got == pytest.approx({1: 15.0, 2: 16.0, 4: 18.0})  # 3: dropped when the GPU caught up
+
+
+def test_a_gpu_more_than_a_step_behind_is_waited_for_at_the_older_interval() -> None:
+    clock = LaggingClock()
+    rec = PhaseRecorder(clock)
+    t = _step(rec, clock, 0.0)
+    t = _step(rec, clock, t)
+    assert rec.resolve() is None and clock.waited == 0  # not reached: kept
+    _step(rec, clock, t)
+    got = rec.resolve()  # the older one, waited for: the newest stays pending
+    assert got is not None and got.interval == pytest.approx(14.0)
+    assert rec.late == 1 and clock.waited == 1
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])

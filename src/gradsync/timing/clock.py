@@ -4,8 +4,8 @@ A phase of a CPU step is host time between two marks. On CUDA the host only queu
 runs ahead of the GPU, so host time would charge a slow GPU's forward to whatever the host
 waits at next (the step's readout). There a mark is a CUDA event recorded on the current
 stream, and a duration is read with ``Event.elapsed_time`` once the GPU has passed both marks:
-after the step's readout, which waits for the GPU anyway (with one rank, which reads nothing,
-reading a duration waits for its end mark).
+after the step's readout, which waits for the GPU anyway (one rank reads nothing: there an
+interval is read a step late, see ``phases.py``).
 """
 
 from __future__ import annotations
@@ -25,6 +25,9 @@ class HostClock:
     def elapsed_ms(self, start: Any, end: Any) -> float:
         return (end - start) * 1e3
 
+    def reached(self, mark: Any) -> bool:
+        return True
+
 
 class DeviceClock:
     """Marks are CUDA events on the current stream of ``device`` (timing enabled, no sync)."""
@@ -38,12 +41,16 @@ class DeviceClock:
         return event
 
     def elapsed_ms(self, start: Any, end: Any) -> float:
-        # With two ranks or more both events are behind the step's readout, which the host has
-        # waited for. One rank reads nothing from the device, and elapsed_time raises on an
-        # event the GPU has not reached: wait for it then (benchmarks/gpucheck measures it).
+        # elapsed_time raises on an event the GPU has not reached: wait for it then. The
+        # recorder asks only for ends that are reached or a step old ([Note: reading a GPU
+        # interval late] in phases.py), so the wait idles nothing.
         if not end.query():
             end.synchronize()
         return float(start.elapsed_time(end))
+
+    def reached(self, mark: Any) -> bool:
+        """Whether the GPU has passed ``mark`` (no wait)."""
+        return bool(mark.query())
 
 
 def clock_for(device: torch.device) -> HostClock | DeviceClock:

@@ -69,8 +69,10 @@ class PhaseRecorder:
     def __init__(self, clock: HostClock | DeviceClock) -> None:
         self.clock = clock
         self._start: Any = None  # the end of the last synchronised step (None: none yet)
-        self._end: Any = None  # the end of the interval just closed, until it is resolved
-        self._closed: tuple[Any, list[tuple[str, Any, Any]], dict[int, Any]] | None = None
+        # Intervals closed and not yet resolved, oldest first: at most the last two (see
+        # resolve); each is (start, spans, launches, end).
+        self._closed: list[tuple[Any, list[tuple[str, Any, Any]], dict[int, Any], Any]] = []
+        self.late = 0  # intervals closed after the one that resolve() returned last
         self._spans: list[tuple[str, Any, Any]] = []  # (phase, begin, end)
         self._launches: dict[int, Any] = {}
         self._forward_began: Any = None
@@ -133,25 +135,42 @@ class PhaseRecorder:
         self._intervals += 1
         if self._start is not None and self._last_exposed_began is not None:
             self._spans.append(("exposed_comm", self._last_exposed_began, now))
-            self._closed = (self._start, self._spans, self._launches)
-            self._end = now
+            self._closed = [*self._closed[-1:], (self._start, self._spans, self._launches, now)]
         self._start, self._spans, self._launches = now, [], {}
         self._last_exposed_began = self._forward_began = self._forward_ended = None
 
     def abandon(self) -> None:
         """A step that raised: its interval is not measured (the next one starts at its end)."""
-        self._closed = None
+        self._closed = []
         self._start = None
 
     def resolve(self) -> RankStep | None:
-        """The interval closed by the last :meth:`synced`, once (``None``: there was none,
-        e.g. before the first synchronised step)."""
-        if self._closed is None:
+        """The interval closed by the last :meth:`synced`, once, or the one before it, one step
+        late (``late`` says which); ``None``: there is none yet (before the first synchronised
+        step, or the GPU has not reached the end of the first one).
+
+        [Note: reading a GPU interval late]
+        On CUDA an interval's end is an event recorded when the step's collectives were done.
+        With two ranks or more the step's readout has waited for the GPU to pass it. One rank
+        reads nothing from the device, so the GPU is usually still working through the
+        backward when the host gets here; waiting for the event then would empty the GPU's
+        queue every step (the host launches the optimizer's kernels only afterwards: 4-5 % of
+        a GPT step on an H200). So the newest interval is read only once the GPU has reached
+        its end; otherwise the one before it is read (its end is a whole step old, with that
+        step's work queued behind it, so waiting for it idles nothing) and the newest waits.
+        """
+        self.late = 0
+        if not self._closed:
             return None
-        start, spans, launches = self._closed
-        self._closed = None
+        if self.clock.reached(self._closed[-1][3]):
+            entry, self._closed, self.late = self._closed[-1], [], 0
+        elif len(self._closed) > 1:
+            entry, self._closed, self.late = self._closed[0], self._closed[1:], 1
+        else:
+            return None
+        start, spans, launches, end = entry
         offset = self.clock.elapsed_ms
-        total = offset(start, self._end)
+        total = offset(start, end)
         # Milliseconds from the start; a step whose closure synchronised began before it.
         at = [(phase, max(0.0, offset(start, b)), offset(start, e)) for phase, b, e in spans]
         others = [(b, e) for phase, b, e in at if phase != "optimizer"]

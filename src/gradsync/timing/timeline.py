@@ -54,6 +54,7 @@ class StepTimeline:
         self.thresholds = Thresholds()
         self.last_report: dict[str, Any] | None = None
         self._outgoing: RankStep | None = None  # this rank's last interval, sent next step
+        self._outgoing_late = 0  # steps it ended before the last one (phases.py: one rank)
 
     @classmethod
     def of(cls, every: int, deadline: Any) -> StepTimeline:
@@ -74,13 +75,16 @@ class StepTimeline:
 
     def received(self, values: Sequence[float], step: int) -> None:
         """After step ``step``'s readout: ``values`` holds every rank's record of the interval
-        that ended with step ``step - 1``."""
+        that ended with step ``step - 1`` (one rank on a GPU: or ``step - 2``, see [Note:
+        reading a GPU interval late] in ``phases.py``)."""
         if not self.enabled:
             return
+        late = self._outgoing_late  # of the records in ``values``: 0 with two ranks or more
         self._outgoing = self.recorder.resolve()
+        self._outgoing_late = self.recorder.late
         records = decode(values, self.world_size)
         if any(rec is not None for rec in records):
-            self.history.append((step - 1, records))
+            self.history.append((step - 1 - late, records))
         if (step + 1) % self.every == 0 and self.history:
             self.last_report = self.report()
             self._log(self.last_report)
