@@ -218,7 +218,7 @@ class Deadline:
 
     def record_error(self, error: BaseException) -> None:
         """Leave word in the arrival records that this rank raised ``error`` (for its peers)."""
-        summary = str(error).splitlines()[0][:200]
+        summary = first_line(error, default="")[:200]
         if isinstance(error, CollectiveTimeoutError):  # its own failure: how, not its diagnosis
             summary = summary.split("; ")[0]
         self.arrivals.record(
