@@ -154,8 +154,8 @@ class PhaseRecorder:
         With two ranks or more the step's readout has waited for the GPU to pass it. One rank
         reads nothing from the device, so the GPU is usually still working through the
         backward when the host gets here; waiting for the event then would empty the GPU's
-        queue every step (the host launches the optimizer's kernels only afterwards: 4-5 % of
-        a GPT step on an H200). So the newest interval is read only once the GPU has reached
+        queue every step (the host would queue the optimizer's kernels only once the GPU had
+        run dry). So the newest interval is read only once the GPU has reached
         its end; otherwise the one before it is read (its end is a whole step old, with that
         step's work queued behind it, so waiting for it idles nothing) and the newest waits.
         """
