@@ -155,15 +155,15 @@ class PhaseRecorder:
         reads nothing from the device, so the GPU is usually still working through the
         backward when the host gets here; waiting for the event then would empty the GPU's
         queue every step (the host would queue the optimizer's kernels only once the GPU had
-        run dry). So the newest interval is read only once the GPU has reached
-        its end; otherwise the one before it is read (its end is a whole step old, with that
-        step's work queued behind it, so waiting for it idles nothing) and the newest waits.
+        run dry). So the newest interval is read only once the GPU has reached its end;
+        otherwise the one before it is read (its end is a whole step old, with that step's
+        work queued behind it, so waiting for it idles nothing) and the newest waits.
         """
         self.late = 0
         if not self._closed:
             return None
         if self.clock.reached(self._closed[-1][3]):
-            entry, self._closed, self.late = self._closed[-1], [], 0
+            entry, self._closed = self._closed[-1], []
         elif len(self._closed) > 1:
             entry, self._closed, self.late = self._closed[0], self._closed[1:], 1
         else:
