@@ -257,6 +257,17 @@ def _balanced(args: argparse.Namespace) -> None:
         f"{named / len(sliding):.3f} ({named}); at (5 ms, 10 %) {named10 / len(sliding):.3f} "
         f"({named10})"
     )
+    # stalls: a few steps in which a rank was very late (see [Note: naming a straggler])
+    reports = [attribute(w, Thresholds()) for w in wins]
+    shares = [max((e["lost_pct"] for e in rep["ranks"].values()), default=0.0) for rep in reports]
+    stalls = sum(bool(rep["stalls"]) for rep in reports)
+    stalls_sliding = sum(bool(attribute(w, Thresholds())["stalls"]) for w in sliding)
+    print(
+        f"stalls named at the defaults: {stalls} of {len(wins)} windows, {stalls_sliding} of "
+        f"{len(sliding)} overlapping ones; per window, the largest share any rank cost "
+        f"(every step it was late in): median {statistics.median(shares):.1f} %, max "
+        f"{max(shares):.1f} %, >= 20 % in {sum(x >= 20.0 for x in shares)}"
+    )
     if args.save:
         torch.save([r["history"] for r in runs], args.save)
         print(f"histories saved to {args.save}")

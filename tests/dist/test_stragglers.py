@@ -125,15 +125,15 @@ def test_a_periodic_stall_is_named_with_what_it_cost(cases: list[dict[str, Any]]
     for report, of, line in zip(reports, (8, 10), lines, strict=True):
         [stall] = report["stalls"]
         assert (stall["rank"], stall["phase"], stall["of"]) == (STALL_RANK, "data", of), report
-        # Late in both stalled steps; a step that the shared machine slowed past the 5 ms
-        # threshold may add a third, which lowers the mean but not the sum.
+        # Late in both stalled steps; a step that the shared machine slowed past 40 ms may
+        # add a third. Steps it was late in by less (noise) are not the stall's.
         assert 2 <= stall["late_in"] <= 3, report
         cost = stall["late_ms"] * stall["late_in"]
         assert 0.7 * 2 * STALL * 1e3 < cost < 2.0 * 2 * STALL * 1e3, report
         # what the others waited, of the window's time: 2 sleeps of 100 ms against steps of
         # about 20 ms (the share stays above 20 % unless the steps take 80 ms or more)
-        lost = report["ranks"][STALL_RANK]["lost_ms"]
-        assert stall["job_lost_pct"] == pytest.approx(100.0 * lost / report["window_ms"])
+        assert stall["job_lost_pct"] == pytest.approx(100.0 * cost / report["window_ms"])
+        assert report["ranks"][STALL_RANK]["lost_ms"] >= cost - 1e-9  # also its small delays
         assert stall["job_lost_pct"] > 20.0, report
         assert line == (
             f"gradsync: rank {STALL_RANK} was late in {stall['late_in']} of the last {of} steps by "

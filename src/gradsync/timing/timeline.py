@@ -92,7 +92,7 @@ class StepTimeline:
     def report(self, last: int | None = None) -> dict[str, Any]:
         """The straggler report of the last ``last`` steps (default: ``every``) as plain data:
         ``stragglers`` (rank, phase, late_in, of, late_ms, job_lost_pct), ``stalls`` (the
-        same keys; late_ms is the mean over the steps it was late in), ``step_ms``,
+        same keys, of the steps it was late by ``min_stall_ms`` or more), ``step_ms``,
         ``window_ms``, ``threshold_ms`` and, per rank, its mean phases and lateness and what
         the others lost waiting for it (``ranks``: late_in, lost_ms, lost_pct)."""
         window = list(self.history)[-(last or self.every or len(self.history)) :]
