@@ -14,6 +14,12 @@ DDP's step is checked the same way, as a control of the method (reported, never 
 In dry mode (CPU, no sync points) the same allow-list gates the stand-in of
 ``tests/dist/test_host_reads.py``: every read of a tensor's value on the host is counted, and
 one from anywhere but an allowed site fails the check.
+
+The other side of not waiting for the GPU: a host buffer that a queued copy still reads must
+not be rewritten. ``syncs.tail_in_flight`` writes two records into bucket 0's tail
+(``ddp/tail.py``) while a sleeping kernel holds the GPU, with a device-side copy of the tail
+queued between them (as the step's all-reduce reads it): that copy must hold the first record.
+A pinned staging buffer kept and rewritten on the host would hand it the second.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ import torch
 from gradsync.comm.powersgd import PowerSGDHook
 from gradsync.ddp import owners
 from gradsync.ddp.checks import readout
+from gradsync.ddp.tail import TailLayout
 
 from .common import ERROR, FAIL, MET, MISSED, PASS, Check, Context, device_of, job_error, run_job
 from .modes import BY_SLUG, Run
@@ -106,6 +113,13 @@ def declare() -> list[Check]:
             + (" (PowerSGD: one per bucket)" if slug == "powersgd" else ""),
             target=impl == "torch",  # the control: a sync of torch's own is no fault of ours
         ))  # fmt: skip
+    checks.append(Check(
+        "syncs.tail_in_flight", "bucket 0's tail rewritten while its last copy is queued",
+        "two records written to the tail while a sleeping kernel holds the GPU, a device-side "
+        "copy of the tail queued between them",
+        "the queued copy holds the first record, the tail the second, and the GPU was still "
+        "held when the host had written both (else the check shows nothing)",
+    ))  # fmt: skip
     checks.append(Check(
         "syncs.nccl2", "host syncs on 2 NCCL ranks",
         "the same settings at world size 2 on NCCL", "the readout once per step, as above",
@@ -192,7 +206,58 @@ def sync_settings(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]
         except Exception as exc:
             out[slug] = {"error": _where(exc)}
         gc.collect()
+    try:
+        out["tail_in_flight"] = tail_in_flight(device)
+    except Exception as exc:
+        out["tail_in_flight"] = {"error": _where(exc)}
     return out
+
+
+FIRST, SECOND = [1.0, 2.0, 3.0], [4.0, 5.0, 6.0]
+HOLD_CYCLES = 200_000_000
+"""``torch.cuda._sleep`` cycles that hold the GPU while the host writes: about 0.1 s."""
+
+
+def tail_in_flight(device: torch.device) -> dict[str, Any]:
+    """What a device-side copy queued between two writes of bucket 0's tail saw."""
+    layout = TailLayout(world_size=2, rank=0)
+    layout.register("record", len(FIRST))
+    tail = torch.zeros(layout.numel, device=device)
+    layout.bind(tail)
+    cuda = device.type == "cuda"
+    held = None
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda._sleep(HOLD_CYCLES)
+        held = torch.cuda.Event()
+        held.record()
+    layout.write({"record": FIRST})
+    seen = tail.clone()  # queued behind the sleep, as bucket 0's all-reduce would be
+    layout.write({"record": SECOND})
+    still_held = held is not None and not held.query()
+    if cuda:
+        torch.cuda.synchronize()
+    return {"queued copy saw": seen[: len(FIRST)].tolist(),
+            "tail at the end": tail[: len(SECOND)].tolist(),
+            "GPU still held after both writes": still_held if cuda else "CPU (dry)"}  # fmt: skip
+
+
+def _judge_tail(check: Check, got: dict[str, Any], cuda: bool) -> None:
+    if "error" in got:
+        check.finish(ERROR, f"it raised: {got['error']}")
+        return
+    problems = []
+    if got["queued copy saw"] != FIRST:
+        problems.append(f"the queued copy saw {got['queued copy saw']}, not the first record")
+    if got["tail at the end"] != SECOND:
+        problems.append(f"the tail ended as {got['tail at the end']}, not the second record")
+    if problems:
+        check.finish(FAIL, "; ".join(problems), **got)
+    elif cuda and got["GPU still held after both writes"] is not True:
+        check.finish(ERROR, "the GPU was no longer held when the host had written both "
+                     "records: the check showed nothing", **got)  # fmt: skip
+    else:
+        check.finish(PASS, "" if cuda else "copies are synchronous on the CPU", **got)
 
 
 def _where(exc: BaseException) -> str:
@@ -215,6 +280,7 @@ def run(ctx: Context, checks: dict[str, Check]) -> None:
         return
     for slug, *_ in SETTINGS:
         judge(checks[f"syncs.{slug}"], slug, out[slug], 1)
+    _judge_tail(checks["syncs.tail_in_flight"], out["tail_in_flight"], ctx.cuda)
     if ctx.needs(checks, ["syncs.nccl2"], gpus=2):
         try:
             out2 = run_job(ctx, sync_settings, 2, ({"cuda": True},), backend="nccl",

@@ -22,7 +22,7 @@ SYNCS = ["default", "timeline_off", "bf16_wire", "fp16_wire", "powersgd", "torch
          "torch_ddp"]  # fmt: skip
 EXPECTED = (
     [f"correctness.{m}" for m in MODES] + ["correctness.replica_device", "correctness.nccl2"]
-    + [f"syncs.{s}" for s in SYNCS] + ["syncs.nccl2"]
+    + [f"syncs.{s}" for s in SYNCS] + ["syncs.tail_in_flight", "syncs.nccl2"]
     + ["deadline.device_event", "deadline.nccl_missing_rank"]
     + ["overlap.default", "overlap.bf16_wire", "overlap.nccl2", "overlap.zero1_gathers"]
     + [f"speed.{how}.{what}" for how in ("eager", "compiled") for what in ("vs_torch", "timeline")]
