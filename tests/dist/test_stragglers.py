@@ -4,7 +4,7 @@ Three gloo ranks; one of them sleeps 50 ms in one place: before fetching each ba
 loading) or in each backward (a gradient hook), with two micro-batches per step (the first under
 ``no_sync``), or in its forward, or in its optimizer step. Within the first report, at step 10,
 rank 0 logs that rank with the right phase, every rank holds the same report, and its buckets
-launched late by about the sleep. A rank that sleeps 100 ms before its batch in only 2 of
+launched late by about the sleep. A rank that sleeps 150 ms before its batch in only 2 of
 every 10 steps (a periodic stall) is never late in 80 % of them, but each report names it with
 what it cost. A balanced run of 50 steps names nobody. One spawn for all cases.
 """
@@ -24,7 +24,7 @@ import gradsync
 from gradsync.testing.spawn import spawn
 
 SLOW_RANK, SLEEP = 2, 0.05
-STALL_RANK, STALL, STALL_STEPS = 1, 0.1, (3, 7)  # sleeps STALL s in these steps of every 10
+STALL_RANK, STALL, STALL_STEPS = 1, 0.15, (3, 7)  # sleeps STALL s in these steps of every 10
 MICRO = {"data": 2, "backward": 2, "forward": 1, "optimizer": 1}  # micro-batches per step
 
 
@@ -130,8 +130,9 @@ def test_a_periodic_stall_is_named_with_what_it_cost(cases: list[dict[str, Any]]
         assert 2 <= stall["late_in"] <= 3, report
         cost = stall["late_ms"] * stall["late_in"]
         assert 0.7 * 2 * STALL * 1e3 < cost < 2.0 * 2 * STALL * 1e3, report
-        # what the others waited, of the window's time: 2 sleeps of 100 ms against steps of
-        # about 20 ms (the share stays above 20 % unless the steps take 80 ms or more)
+        # what the others waited, of the window's time: 2 sleeps of 150 ms against steps of
+        # about 20 ms, 50 ms on a loaded CI machine (the share stays above 20 % unless the
+        # steps take 120 ms or more)
         assert stall["job_lost_pct"] == pytest.approx(100.0 * cost / report["window_ms"])
         assert report["ranks"][STALL_RANK]["lost_ms"] >= cost - 1e-9  # also its small delays
         assert stall["job_lost_pct"] > 20.0, report
