@@ -29,6 +29,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import gradsync
+from gradsync.bench.steptime import round_order
 from gradsync.testing.gpt import GPT, GPTConfig, lm_loss
 
 
@@ -88,9 +89,7 @@ def main() -> None:
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     times: dict[str, list[float]] = {name: [] for name in steps}
     for r in range(args.rounds + 3):
-        k = r % len(steps)
-        order = list(steps)[k:] + list(steps)[:k]  # rotate: no variant always first
-        for name in order:
+        for name in round_order(list(steps), r):  # no variant always first, or after another
             sync()
             t0 = time.perf_counter()
             for _ in range(args.steps_per_round):

@@ -10,8 +10,9 @@ Three variants of the same model train side by side in one run on ``--world`` gl
 thread each): gradsync with the step timeline on (``straggler_every=10``, the default), gradsync
 with it off (``straggler_every=0``: nothing measured, carried or judged) and torch's
 ``DistributedDataParallel``. Every round times ``--steps`` full training steps (zero_grad,
-forward, backward, optimizer step) of each variant in an order that rotates every round; each
-block starts at a barrier and lasts as long as its slowest rank. Prints each variant's median
+forward, backward, optimizer step) of each variant in an order shuffled every round
+(``round_order``, the same on every rank); each block starts at a barrier and lasts as long as
+its slowest rank. Prints each variant's median
 step, the ratios between medians (on/off is the timeline's overhead; the target is at most 1 %),
 and the median of the per-round ratios (each round's variants share that round's noise).
 ``--control`` adds a second, identical timeline-off variant (built last): an A/A check of what
@@ -53,6 +54,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import gradsync
+from gradsync.bench.steptime import round_order
 from gradsync.ddp.tail import TailLayout
 from gradsync.testing.gpt import GPT, GPTConfig, lm_loss
 from gradsync.testing.spawn import spawn
@@ -135,8 +137,7 @@ def run_rank(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
     names = list(steps)
     times: dict[str, list[float]] = {name: [] for name in names}
     for r in range(cfg["warmup"] + cfg["rounds"]):
-        for k in range(len(names)):
-            name = names[(r + k) % len(names)]  # rotate who goes first each round
+        for name in round_order(names, r):  # the same shuffle on every rank
             dist.barrier()
             t0 = time.perf_counter()
             for _ in range(cfg["steps"]):
@@ -243,21 +244,22 @@ def micro(num_buckets: int, every: int, repeats: int) -> list[tuple[str, float, 
 
     for world in (3, 64):
         tl = StepTimeline(every, 0, world, torch.device("cpu"))
-        width = 1 + len(PHASES) + num_buckets
-        values = torch.zeros(width * world, dtype=torch.float64)
-        slots = tl.slots(values, num_buckets)
+        tail = TailLayout(world, 0)  # as the reducer lays out bucket 0's tail
+        tail.register(timing_slots.RIDER, tl.width(num_buckets))
+        tail.bind(torch.zeros(tail.numel, dtype=torch.float64))
         steps = [_records(world, num_buckets, rng) for _ in range(50)]
         flats = [[v for r_ in recs if r_ is not None for v in (1.0, *r_.phases, *r_.launches)]
                  for recs in steps]  # fmt: skip
 
         def one_step(
-            tl: StepTimeline = tl, slots: Any = slots, flats: list = flats, n: list = [0]  # noqa: B006
+            tl: StepTimeline = tl, tail: TailLayout = tail, flats: list = flats,
+            n: list = [0],  # noqa: B006
         ) -> None:  # fmt: skip
             i = n[0] = n[0] + 1
             rec_ = tl.recorder
             rec_.forward_began()
             rec_.forward_ended()
-            tl.write(slots, True)
+            tail.write({timing_slots.RIDER: tl.outgoing(num_buckets)})
             for b in range(num_buckets - 1, -1, -1):
                 rec_.launched(b)
             rec_.backward_ended()
