@@ -30,9 +30,9 @@ steps cost a window of the 10-25 ms steps of a small MLP up to 32 % (4 of 270 wi
 or more), but by at most 24 ms a step on average; the main job's 650 ms steps reached 9.7 %,
 the tests' tiny model 10.6 %. The 40 ms is asked of each step counted, not of their mean:
 noise on a loaded machine also makes the stalling rank a few ms late in other steps, and a
-mean over those can fall under 40 ms and hide two 100 ms stalls (section 6 of the note, where
-no balanced step made a rank 40 ms late). The stall's figures (``late_in``, ``late_ms``,
-``job_lost_pct``) are of those steps only.
+mean over those can fall under 40 ms and hide two 100 ms stalls (section 6 of the benchmark
+note, where no balanced step made a rank 40 ms late). The stall's figures (``late_in``,
+``late_ms``, ``job_lost_pct``) are of those steps only.
 """
 
 from __future__ import annotations
