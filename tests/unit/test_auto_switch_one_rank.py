@@ -137,7 +137,8 @@ def _train(cap: Any, eval_backward: bool = False) -> dict[str, list[Any]]:
 def test_main_grads_of_unused_parameters_follow_the_switch(
     one_rank: None, forced: Callable[[float], None], trial_step_s: float
 ) -> None:
-    fixed = _train("scaled")  # one rank: every bucket layout gives the same bits
+    fixed = _train(None)  # the default, where "auto" starts; one rank: every bucket layout
+    # gives the same bits
     forced(trial_step_s)
     auto = _train("auto")
     for step in range(STEPS):
@@ -156,7 +157,7 @@ def test_an_eval_backward_before_a_switch_stays_in_the_window(
     one_rank: None, forced: Callable[[float], None], trial_step_s: float
 ) -> None:
     """Its gradients are in the retired buckets when the plan switches: they move with it."""
-    fixed = _train("scaled", eval_backward=True)
+    fixed = _train(None, eval_backward=True)
     forced(trial_step_s)
     auto = _train("auto", eval_backward=True)
     for step in range(STEPS):

@@ -88,6 +88,9 @@ def test_scaled_cap_is_an_eighth_of_the_gradients_between_1_and_25_mib() -> None
     assert resolve_cap(None, params, hosts=1) == 25.0 == resolve_cap(None, [], hosts=1)
     assert resolve_cap(None, params, hosts=2) == resolve_cap(None, params) == 8.0
     assert resolve_cap("scaled", params, hosts=1) == 8.0  # a word asked for is kept
+    # "auto" starts from the default, which is also where it goes back if its choice is slower
+    assert resolve_cap("auto", params, hosts=1) == 25.0
+    assert resolve_cap("auto", params, hosts=2) == resolve_cap(None, params, hosts=2) == 8.0
     # The 1 MiB floor is on the wire: bf16 (half the bytes) buckets hold at least 2 MiB;
     # PowerSGD's ~1/80 of the bytes keeps torch's 25 MiB however small the model.
     assert scaled_cap_mb(50 * MB, 25 * MB) == 6.25 and scaled_cap_mb(8 * MB, 4 * MB) == 2.0

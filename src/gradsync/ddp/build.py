@@ -43,8 +43,9 @@ def first_reducer(
     sizes = [(local(p).numel(), grad_dtype or p.dtype) for _, p in named]
     wire = wire_bytes(options.compression, named, sizes)
     group = deadline.group
-    # Only the default cap depends on where the ranks are; every rank has the same options.
-    hosts = count_hosts(deadline) if options.bucket_cap_mb is None else None
+    # Only the default cap (and "auto"'s start, the default) depends on where the ranks are;
+    # every rank has the same options.
+    hosts = count_hosts(deadline) if options.bucket_cap_mb in (None, "auto") else None
     cap_mb = resolve_cap(options.bucket_cap_mb, sizes, wire, hosts)
     specs = plan_buckets(sizes, cap_to_bytes(cap_mb), cap_to_bytes(options.first_bucket_cap_mb))
     device = local(named[0][1]).device if named else torch.device("cpu")

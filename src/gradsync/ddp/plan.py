@@ -105,10 +105,10 @@ def resolve_cap(
     dtype)`` whose gradients take ``wire_bytes`` on the wire, over ranks on ``hosts`` hosts.
     ``None``, the default, is torch's 25 MiB on one host and "scaled" across hosts or where
     ``hosts`` is not known (see [Note: the default bucket cap]); "scaled" is computed from the
-    bytes; "auto" starts from "scaled" (until it has chosen); ``math.inf`` is one bucket per
-    dtype."""
+    bytes; "auto" starts from the default (until it has chosen, and where its choice was no
+    faster); ``math.inf`` is one bucket per dtype."""
     check_cap(bucket_cap_mb)
-    if bucket_cap_mb is None and hosts == 1:
+    if bucket_cap_mb in (None, "auto") and hosts == 1:
         return ONE_HOST_MB
     if bucket_cap_mb is None or isinstance(bucket_cap_mb, str):
         return scaled_cap_mb(grad_bytes(params), wire_bytes)

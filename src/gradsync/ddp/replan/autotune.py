@@ -5,8 +5,9 @@ Horovod's autotune once resized its fusion buffer while gradients were in flight
 them (horovod#1282). Here the plan changes once, at a point where no gradient of the coming step
 exists yet, on every rank at the same point:
 
-1. Profile. The wrapper starts with the default plan ("scaled", see [Note: the default bucket
-   cap] in ``plan.py``, and the wrapper's first bucket cap). After ``WARMUP_STEPS``
+1. Profile. The wrapper starts with the default plan (torch's 25 MiB where the ranks share
+   one host, "scaled" across hosts: [Note: the default bucket cap] in ``plan.py``; and the
+   wrapper's first bucket cap). After ``WARMUP_STEPS``
    synchronised steps (first-call costs, allocations), an extra post-accumulate-grad hook per
    parameter notes ``perf_counter`` when the gradient is ready inside each of
    ``PROFILE_STEPS`` synchronised backwards (not under ``no_sync``). The hooks are removed
