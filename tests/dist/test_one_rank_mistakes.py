@@ -8,10 +8,12 @@ read the other rank's first-batch fingerprint as a list of changed parameters.""
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -57,8 +59,22 @@ def shard_on_one_rank(rank: int) -> str:
     return outcome(lambda: step(model, torch.optim.SGD(model.parameters(), lr=0.1), rank, 0))
 
 
+def both_here(name: str, world: int) -> None:
+    """Wait until every rank got here, through the store: rank 1 leaves the first case at once
+    with its error, rank 0 only after its reduction has timed out and named rank 1, which
+    takes seconds on a loaded machine. Without this, rank 1 would wait for rank 0 at the second
+    case's construction under the same 3 s deadline, and which of the two ends first would
+    decide the test. Not a collective: the group may still hold rank 0's timed-out one."""
+    store = dist.distributed_c10d._get_default_store()
+    store.add(name, 1)
+    while store.add(name, 0) < world:
+        time.sleep(0.01)
+
+
 def cases(rank: int, world: int) -> dict[str, str]:
-    return {"extra_step": extra_step(rank), "shard_on_one_rank": shard_on_one_rank(rank)}
+    out = {"extra_step": extra_step(rank)}
+    both_here("one_rank_mistakes/second case", world)
+    return out | {"shard_on_one_rank": shard_on_one_rank(rank)}
 
 
 @pytest.fixture(scope="module")
