@@ -38,7 +38,7 @@ note, where no balanced step made a rank 40 ms late). The stall's figures (``lat
 from __future__ import annotations
 
 import statistics
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -115,17 +115,18 @@ def _rank_means(steps: Window) -> dict[int, dict[str, Any]]:
     }
 
 
-def _late_steps(steps: Window, floor: float) -> dict[int, list[int]]:
-    """Per rank, the indices of the steps in which it arrived later than ``floor``."""
-    late_in: dict[int, list[int]] = {}
+def _late_steps(steps: Window, floor: float) -> dict[int, dict[int, float]]:
+    """Per rank, the steps in which it arrived later than ``floor``: index into ``steps`` ->
+    how late (in order)."""
+    late_in: dict[int, dict[int, float]] = {}
     for i, (_, records) in enumerate(steps):
         for r, late in _late_in(records).items():
             if late >= floor:
-                late_in.setdefault(r, []).append(i)
+                late_in.setdefault(r, {})[i] = late
     return late_in
 
 
-def _phase(steps: Window, rank: int, late_in: Sequence[int]) -> tuple[str, float]:
+def _phase(steps: Window, rank: int, late_in: Collection[int]) -> tuple[str, float]:
     """The phase in which ``rank`` spent the most over the median rank, on average over the
     steps ``late_in`` (indices into ``steps``), and that excess."""
     excess = dict.fromkeys(COMPUTE_PHASES, 0.0)
@@ -136,28 +137,27 @@ def _phase(steps: Window, rank: int, late_in: Sequence[int]) -> tuple[str, float
     return phase, excess[phase]
 
 
-def _lost(steps: Window, late_in: dict[int, list[int]]) -> tuple[float, dict[int, float]]:
-    """The window's time (the sum of its steps' median intervals) and, per rank, the time the
-    others spent waiting for it: its lateness summed over the steps it was late in."""
-    window_ms = sum(
+def _window_ms(steps: Window) -> float:
+    """The window's time: the sum of its steps' median intervals."""
+    return sum(
         statistics.median(rec.interval for rec in recs if rec is not None) for _, recs in steps
     )
-    lost = {r: sum(_late_in(steps[i][1])[r] for i in late) for r, late in late_in.items()}
-    return window_ms, lost
 
 
 def _stall(
-    steps: Window, rank: int, late_in: Sequence[int], window_ms: float, thresholds: Thresholds
+    steps: Window, rank: int, late_in: dict[int, float], window_ms: float, thresholds: Thresholds
 ) -> dict[str, Any] | None:
-    """``rank``'s stall over ``late_in`` (the steps it was late by ``min_stall_ms`` or more),
-    or ``None`` if those steps cost the others less than ``min_cost`` of ``window_ms``."""
-    lost = sum(_late_in(steps[i][1])[rank] for i in late_in)
-    if not late_in or not window_ms or lost < thresholds.min_cost * window_ms:
+    """``rank``'s stall over the steps of ``late_in`` (index -> how late) in which it was late
+    by ``min_stall_ms`` or more, or ``None`` if those steps cost the others less than
+    ``min_cost`` of ``window_ms``."""
+    stalled = {i: late for i, late in late_in.items() if late >= thresholds.min_stall_ms}
+    lost = sum(stalled.values())
+    if not stalled or not window_ms or lost < thresholds.min_cost * window_ms:
         return None
-    phase, excess = _phase(steps, rank, late_in)
+    phase, excess = _phase(steps, rank, stalled)
     return {
-        "rank": rank, "phase": phase, "late_in": len(late_in), "of": len(steps),
-        "late_ms": lost / len(late_in), "phase_excess_ms": excess,
+        "rank": rank, "phase": phase, "late_in": len(stalled), "of": len(steps),
+        "late_ms": lost / len(stalled), "phase_excess_ms": excess,
         "job_lost_pct": 100.0 * lost / window_ms,
     }  # fmt: skip
 
@@ -168,15 +168,14 @@ def attribute(window: Window, thresholds: Thresholds = Thresholds()) -> dict[str
     intervals = [rec.interval for _, recs in steps for rec in recs if rec is not None]
     step_ms = statistics.median(intervals) if intervals else 0.0
     floor = max(thresholds.min_late_ms, thresholds.min_late_fraction * step_ms)
-    ranks, late_in = _rank_means(steps), _late_steps(steps, floor)
-    stalled_in = _late_steps(steps, max(floor, thresholds.min_stall_ms))
-    window_ms, lost = _lost(steps, late_in)
+    ranks, late_in, window_ms = _rank_means(steps), _late_steps(steps, floor), _window_ms(steps)
     for r, lateness in _bucket_lateness(steps).items():
         ranks[r]["bucket_late_ms"] = lateness
     stragglers, stalls = [], []
     for r, entry in ranks.items():
-        entry["late_in"] = len(late_in.get(r, []))
-        entry["lost_ms"] = lost.get(r, 0.0)
+        # what the others spent waiting for it: its lateness summed over the steps it was late in
+        entry["late_in"] = len(late_in.get(r, {}))
+        entry["lost_ms"] = sum(late_in.get(r, {}).values(), 0.0)
         entry["lost_pct"] = 100.0 * entry["lost_ms"] / window_ms if window_ms else 0.0
         persistent = entry["late_in"] >= max(1, thresholds.min_share * len(steps))
         if persistent and entry["late_ms"] >= floor:
@@ -186,7 +185,7 @@ def attribute(window: Window, thresholds: Thresholds = Thresholds()) -> dict[str
                 "late_ms": entry["late_ms"], "phase_excess_ms": excess,
                 "job_lost_pct": 100.0 * entry["late_ms"] / step_ms if step_ms else 0.0,
             })  # fmt: skip
-        elif stall := _stall(steps, r, stalled_in.get(r, []), window_ms, thresholds):
+        elif stall := _stall(steps, r, late_in.get(r, {}), window_ms, thresholds):
             stalls.append(stall)
     stragglers.sort(key=lambda s: -s["late_ms"])
     stalls.sort(key=lambda s: -s["job_lost_pct"])
