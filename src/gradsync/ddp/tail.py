@@ -74,12 +74,6 @@ class TailLayout:
             raise ValueError(f"bucket 0's tail holds {tail.numel()} values, not {self.numel}")
         self._tail = tail
         self._mine = tail[self.rank * self.width : (self.rank + 1) * self.width]
-        # To a GPU from pinned memory with a non-blocking copy: a plain host-to-device copy
-        # would wait for the GPU at the start of every backward. The pinned tensor is a fresh
-        # one each step, not a buffer kept and rewritten: the last step's copy from it may
-        # still be queued, and torch's pinned-memory cache does not hand a block out again
-        # until the copies queued from it have run (as ``Bucket.write_used_flags`` does).
-        self._pinned = tail.is_cuda
         self.written = [0.0] * self.width
 
     def write(self, records: Mapping[str, Sequence[float] | None]) -> None:
@@ -99,8 +93,14 @@ class TailLayout:
         self._tail.zero_()
         if not any(values):
             return
-        host = torch.tensor(values, dtype=self._tail.dtype, pin_memory=self._pinned)
-        self._mine.copy_(host, non_blocking=self._pinned)
+        # To a GPU from pinned memory with a non-blocking copy: a plain host-to-device copy
+        # would wait for the GPU at the start of every backward. The pinned tensor is a fresh
+        # one each step, not a buffer kept and rewritten: the last step's copy from it may
+        # still be queued, and torch's pinned-memory cache does not hand a block out again
+        # until the copies queued from it have run (as ``Bucket.write_used_flags`` does).
+        cuda = self._tail.is_cuda
+        host = torch.tensor(values, dtype=self._tail.dtype, pin_memory=cuda)
+        self._mine.copy_(host, non_blocking=cuda)
 
     def split(self, tail: Sequence[float]) -> dict[str, list[float]]:
         """Each rider's values of every rank, rank after rank, from the summed ``tail``."""
