@@ -189,7 +189,8 @@ def _balanced(args: argparse.Namespace) -> None:
             f"!! {len(bad)} step records hold a value over {LIMIT_MS:g} ms (or inf/nan), which "
             f"no rank can write: runs {sorted({i for i, _ in bad})}, first at step {bad[0][1]}"
         )
-    steps_ms = [attribute(w, Thresholds())["step_ms"] for w in wins]
+    reports = [attribute(w, Thresholds()) for w in wins]  # at the defaults, once
+    steps_ms = [rep["step_ms"] for rep in reports]
     walls = ", ".join(f"{r['wall_ms']:.2f}" for r in runs)
     lengths = "/".join(str(len(r["history"])) for r in runs)
     print(
@@ -234,8 +235,7 @@ def _balanced(args: argparse.Namespace) -> None:
         f"last in (any lateness, of {WINDOW}): median {statistics.median(last_in):g}, max "
         f"{max(last_in)}"
     )
-    for i, w in enumerate(wins):  # what the defaults named, window by window
-        rep = attribute(w, Thresholds())
+    for i, rep in enumerate(reports):  # what the defaults named, window by window
         for s in rep["stragglers"]:
             print(
                 f"  named at the defaults: window {i} (steps {rep['steps'][0]}-{rep['steps'][1]}"
@@ -250,7 +250,8 @@ def _balanced(args: argparse.Namespace) -> None:
         for h in [[e for e in run["history"] if e[0] >= args.skip]]
         for i in range(len(h) - WINDOW + 1)
     ]
-    named = sum(bool(attribute(w, Thresholds())["stragglers"]) for w in sliding)
+    sliding_reports = [attribute(w, Thresholds()) for w in sliding]
+    named = sum(bool(rep["stragglers"]) for rep in sliding_reports)
     named10 = sum(bool(attribute(w, Thresholds(5.0, 0.10))["stragglers"]) for w in sliding)
     print(
         f"windows ending at every step (overlapping, {len(sliding)}): named at the defaults "
@@ -258,10 +259,9 @@ def _balanced(args: argparse.Namespace) -> None:
         f"({named10})"
     )
     # stalls: a few steps in which a rank was very late (see [Note: naming a straggler])
-    reports = [attribute(w, Thresholds()) for w in wins]
     shares = [max((e["lost_pct"] for e in rep["ranks"].values()), default=0.0) for rep in reports]
     stalls = sum(bool(rep["stalls"]) for rep in reports)
-    stalls_sliding = sum(bool(attribute(w, Thresholds())["stalls"]) for w in sliding)
+    stalls_sliding = sum(bool(rep["stalls"]) for rep in sliding_reports)
     print(
         f"stalls named at the defaults: {stalls} of {len(wins)} windows, {stalls_sliding} of "
         f"{len(sliding)} overlapping ones; per window, the largest share any rank cost "
