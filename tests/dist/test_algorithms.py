@@ -8,9 +8,11 @@ tests below assert on.
 from __future__ import annotations
 
 import functools
+import gc
 import os
 import threading
 import time
+import weakref
 from datetime import timedelta
 
 import pytest
@@ -363,6 +365,32 @@ def test_serial_worker_runs_in_order_and_reraises() -> None:
     with pytest.raises(RuntimeError, match="earlier all-reduce failed"):
         after.wait()
     worker.close()
+
+
+@pytest.mark.timeout(30)
+def test_a_failed_worker_ends_its_thread_and_lets_its_owner_go() -> None:
+    # A wrapper rebuilt after a lost rank drops its old algorithm; the failure's traceback
+    # refers to that algorithm, so a thread that kept the failure would keep it alive for good.
+    class Owner:
+        def __init__(self) -> None:
+            self.worker = SerialWorker("gradsync-test-failing")
+
+        def job(self) -> None:
+            raise ConnectionError("a peer is gone")
+
+    owner = Owner()
+    with pytest.raises(ConnectionError):
+        owner.worker.submit(owner.job).wait()
+    for thread in threading.enumerate():
+        if thread.name == "gradsync-test-failing":
+            thread.join(timeout=5.0)
+    assert not [t for t in threading.enumerate() if t.name == "gradsync-test-failing"]
+    with pytest.raises(RuntimeError, match="earlier all-reduce failed"):
+        owner.worker.submit(lambda: None).wait(timeout=timedelta(seconds=5))
+    gone = weakref.ref(owner)
+    del owner
+    gc.collect()
+    assert gone() is None
 
 
 def test_registry() -> None:

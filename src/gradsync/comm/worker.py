@@ -25,6 +25,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -89,47 +90,67 @@ class SerialWorker:
     A single thread per algorithm instance is what keeps messages of successive all-reduces from
     interleaving: every rank runs the same sequence of jobs, each to completion. After a job fails
     its peers may be left mid-ring, so later jobs fail at once instead of talking to them.
+
+    The thread never outlives its use. It holds the :class:`_Lane` (queue, failure, side
+    streams), not this object, so an algorithm or wire dropped without :meth:`close` (the
+    wrapper that owned it went out of scope, or was rebuilt after a lost rank) is collected,
+    and its finalizer tells the thread to stop once the jobs already queued are done; after a
+    failure the thread ends at once. A thread that held its owner would keep it alive, and the
+    process groups it talks on, for the life of the process: one more for every wrapper built.
     """
 
     def __init__(self, name: str) -> None:
-        self._name = name
-        self._queue: queue.SimpleQueue[tuple[Callable[[], None], AsyncHandle, Any] | None] = (
-            queue.SimpleQueue()
-        )
+        self._lane = _Lane(name)
         self._thread: threading.Thread | None = None
-        self._lock = threading.Lock()
-        self._failure: BaseException | None = None
-        self._side: dict[Any, Any] = {}  # CUDA device -> this worker's stream there
+        weakref.finalize(self, self._lane.queue.put, None)
 
     def submit(self, job: Callable[[], None]) -> AsyncHandle:
-        handle = AsyncHandle()
-        with self._lock:
+        handle, lane = AsyncHandle(), self._lane
+        with lane.lock:
+            if lane.failure is not None:
+                handle._finish(lane.failed())
+                return handle
             if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
+                self._thread = threading.Thread(target=lane.run, name=lane.name, daemon=True)
                 self._thread.start()
-            self._queue.put((job, handle, _mark_callers_stream()))
+            lane.queue.put((job, handle, _mark_callers_stream()))
         return handle
 
     def close(self) -> None:
         """Finish the queued jobs, then stop the thread (a later ``submit`` starts a new one)."""
-        with self._lock:
+        with self._lane.lock:
             thread, self._thread = self._thread, None
             if thread is not None:
-                self._queue.put(None)
+                self._lane.queue.put(None)
         if thread is not None:
             thread.join()
 
-    def _run(self) -> None:
+
+class _Lane:
+    """What a :class:`SerialWorker`'s thread works with: its queue of jobs (``None``: stop), the
+    first failure (after which every job fails at once), its side stream on each CUDA device."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.queue: queue.SimpleQueue[tuple[Callable[[], None], AsyncHandle, Any] | None] = (
+            queue.SimpleQueue()
+        )
+        self.lock = threading.Lock()  # orders a failure against submits
+        self.failure: BaseException | None = None
+        self.side: dict[Any, Any] = {}  # CUDA device -> this worker's stream there
+
+    def failed(self) -> RuntimeError:
+        err = RuntimeError(f"{self.name}: an earlier all-reduce failed")
+        err.__cause__ = self.failure
+        return err
+
+    def run(self) -> None:
         while True:
-            item = self._queue.get()
+            item = self.queue.get()
             if item is None:
                 return
             job, handle, ready = item
-            if self._failure is not None:
-                err = RuntimeError(f"{self._name}: an earlier all-reduce failed")
-                err.__cause__ = self._failure
-                handle._finish(err)
-                continue
+            del item  # between jobs the thread holds nothing of its owner (see SerialWorker)
             try:
                 after = None
                 if ready is None:
@@ -137,17 +158,29 @@ class SerialWorker:
                 else:
                     after = self._run_on_side_stream(job, *ready)
             except BaseException as exc:  # handed to wait(), which re-raises it in the caller
-                self._failure = exc
+                with self.lock:  # a submit from now on fails at once; earlier ones are queued
+                    self.failure = exc
                 handle._finish(exc)
-            else:
-                handle._finish(None, after)
+                self._fail_queued()
+                return  # the failure's traceback holds the owner: this thread must not
+            handle._finish(None, after)
+            del job, handle, ready
+
+    def _fail_queued(self) -> None:
+        while True:
+            try:
+                item = self.queue.get_nowait()
+            except queue.Empty:
+                return
+            if item is not None:
+                item[1]._finish(self.failed())
 
     def _run_on_side_stream(self, job: Callable[[], None], ready: Any, device: Any) -> Any:
         """Run ``job`` on this worker's stream on ``device`` after the caller's ``ready``
         event; return an event recorded after its kernels (see [Note: the caller's stream])."""
-        side = self._side.get(device)
+        side = self.side.get(device)
         if side is None:
-            side = self._side[device] = torch.cuda.Stream(device=device)
+            side = self.side[device] = torch.cuda.Stream(device=device)
         with torch.cuda.stream(side):
             side.wait_event(ready)
             job()

@@ -30,9 +30,10 @@ import torch
 import torch.distributed as dist
 
 MAX_PARKED_THREADS = 16
-"""Daemon threads a worker may keep from earlier cases. An algorithm's serial worker thread
-waits for jobs that never come once the case is over: harmless, but each holds memory, so a
-worker with more than this many is replaced."""
+"""Daemon threads a worker may keep from earlier cases. The library's own end with the objects
+that use them (an algorithm's serial worker thread stops once the algorithm is collected), but
+one may still be winding down when the case is checked; more than this many means something
+keeps them, and the worker is replaced."""
 
 
 _LIBRARY = Path(__file__).resolve().parents[1]  # the gradsync package
