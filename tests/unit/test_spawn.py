@@ -209,6 +209,9 @@ def test_a_hung_case_fails_at_its_deadline_and_the_next_case_runs(pool: RankPool
 
 
 def _die(rank: int, world: int, how: str) -> int:
+    # Not before rank 0 is through gloo's connection set-up: a peer gone while it connects
+    # fails its init ("Connection closed by peer"), which would race the death being named.
+    dist.barrier()
     if rank == 1:
         if how == "exit":
             os._exit(3)

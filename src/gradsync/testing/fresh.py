@@ -5,17 +5,8 @@ its end (tearing down its process groups, an ``atexit`` handler) fails the run l
 crash. This is the way to run a rank that kills itself, changes what a process keeps
 (a framework's process singletons, environment variables read once per process), or uses NCCL.
 
-[Note: fresh processes from a forkserver]
-Each rank is forked from multiprocessing's forkserver, a process that has imported torch and
-gradsync and done nothing else, rather than started with ``spawn``, which imports them again
-(3-4 s of CPU a rank; the suite starts dozens of such ranks). No case ran in the server and it
-never touched CUDA, so a forked rank is as fresh as a spawned one but for the imports. The
-server's environment is that of its own start: each rank takes the parent's current one first,
-so a variable set before ``spawn`` (``CUDA_VISIBLE_DEVICES``, read when CUDA starts) reaches
-it, as with ``spawn``; a variable torch reads while being imported does not, and wants a
-subprocess of its own. A forked process ends without the interpreter's shutdown: its
-``atexit`` handlers are run at the end of the rank, but objects are not finalised (the pool's
-workers and the torchrun jobs of ``tests/e2e`` still end through it).
+Each rank is forked from the forkserver, not spawned ([Note: processes from a forkserver] in
+``forkserver.py``): as fresh as a spawned process but for the imports.
 """
 
 from __future__ import annotations
@@ -28,8 +19,8 @@ import time
 from typing import Any
 
 import torch
-import torch.multiprocessing as mp
 
+from gradsync.testing.forkserver import forkserver, parents, take_parents
 from gradsync.testing.ranks import (
     Job,
     Outcome,
@@ -43,12 +34,11 @@ from gradsync.testing.ranks import (
     verdict,
 )
 
-_PRELOAD = ["torch", "torch.distributed", "gradsync"]  # what the forkserver imports once
 
-
-def _rank_entry(rank: int, job: Job, init_file: str, results: Any, env: dict[str, str]) -> None:
-    os.environ.clear()  # the parent's environment, not the server's ([Note: fresh processes...])
-    os.environ.update(env)
+def _rank_entry(
+    rank: int, job: Job, init_file: str, results: Any, parent: tuple[dict[str, str], str]
+) -> None:
+    take_parents(*parent)  # not the server's ([Note: processes from a forkserver])
     torch.set_num_threads(1)
     try:
         ok, value = run_rank(
@@ -120,17 +110,14 @@ def _collect(
 
 def run_fresh(job: Job) -> dict[int, Outcome]:
     """One start of every rank: each rank's (ok, result or RankFailure)."""
-    # One thread per rank: on a 2-core machine oversubscription turns seconds into minutes.
-    os.environ.setdefault("OMP_NUM_THREADS", "1")  # before the server starts, and imports torch
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(_PRELOAD)  # used when the server starts: the first fresh run
+    ctx = forkserver()
     results = ctx.Queue()
     with tempfile.TemporaryDirectory(prefix="gradsync-spawn-") as tmp:
         init_file = os.path.join(tmp, "store")
         procs = [
             ctx.Process(
                 target=_rank_entry,
-                args=(rank, job, init_file, results, dict(os.environ)),
+                args=(rank, job, init_file, results, parents()),
                 daemon=True,
             )
             for rank in range(job.world_size)

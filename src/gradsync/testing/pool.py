@@ -15,13 +15,14 @@ A case that fails in any way (a rank raised, died, ran past its deadline, hung i
 left something behind that cannot be reset) costs the workers it ran on: they are killed and
 replaced by fresh processes before the next case, so a broken case cannot poison later ones.
 What only a fresh process checks, its own exit, is checked once per worker when the pool
-closes (:meth:`RankPool.close` returns the workers that did not exit cleanly).
+closes (:meth:`RankPool.close` returns the workers that did not exit cleanly). Workers, new and
+replacements alike, are forked from the forkserver ([Note: processes from a forkserver]), so
+growing the pool for a large case or replacing a failed one costs no imports.
 """
 
 from __future__ import annotations
 
 import itertools
-import multiprocessing as mp
 import os
 import pickle
 import sys
@@ -31,6 +32,7 @@ import time
 from multiprocessing.connection import wait
 from typing import Any
 
+from gradsync.testing.forkserver import forkserver, parents
 from gradsync.testing.pool_worker import send, serve
 from gradsync.testing.ranks import (
     Job,
@@ -49,15 +51,15 @@ class _Worker:
     """One pooled process and the parent's end of its pipe."""
 
     def __init__(self, index: int) -> None:
-        ctx = mp.get_context("spawn")
+        ctx = forkserver()
         self.conn, child = ctx.Pipe(duplex=True)
         self.process = ctx.Process(
-            target=serve, args=(child,), daemon=True, name=f"gradsync-pool-{index}"
+            target=serve, args=(child, parents()), daemon=True, name=f"gradsync-pool-{index}"
         )
         self.process.start()
         child.close()
         self.gone = False  # its pipe is closed: it exited or was killed
-        self.ready = False  # it has imported torch and gradsync and waits for a case
+        self.ready = False  # it has taken its parent's state and waits for a case
 
     def read(self, case: int, into: dict[str, Any]) -> None:
         """Everything the worker has sent for ``case``; once it has exited, ``gone``."""

@@ -6,7 +6,8 @@ shared through a process that may be gone when it is read.
 
 Parent to worker: ``("case", id, sys.path, rank, world_size, init_file, pg_timeout_s,
 payload)`` with ``payload`` the pickled ``(fn, args)``, or ``("stop",)``.
-Worker to parent: ``("ready", None)`` once it has imported torch and gradsync; per case
+Worker to parent: ``("ready", None)`` once it has taken its parent's environment and directory
+and imported the library; per case
 ``("result", id, ok, bytes or RankFailure)`` once ``fn`` has returned or
 raised, then ``("clean", id, leftovers)`` once its groups are freed (``leftovers``: why the
 worker should be replaced, ``""`` if it should not).
@@ -14,6 +15,7 @@ worker should be replaced, ``""`` if it should not).
 
 from __future__ import annotations
 
+import atexit
 import gc
 import pickle
 import sys
@@ -23,6 +25,7 @@ from typing import Any
 
 import torch
 
+from gradsync.testing.forkserver import take_parents
 from gradsync.testing.pristine import Pristine, import_library
 from gradsync.testing.ranks import RankFailure, free_groups, run_rank
 
@@ -41,10 +44,20 @@ def _run_case(message: tuple[Any, ...]) -> tuple[bool, Any]:
     return run_rank(rank, world_size, fn, args, init_file, pg_timeout_s, "gloo")
 
 
-def serve(conn: Connection) -> None:
-    """Run the cases sent over ``conn`` until told to stop (or the parent is gone)."""
+def serve(conn: Connection, parent: tuple[dict[str, str], str]) -> None:
+    """Run the cases sent over ``conn`` until told to stop (or the parent is gone), then run
+    the ``atexit`` handlers, as the interpreter's exit would ([Note: processes from a
+    forkserver]): one that crashes or hangs is seen when the pool closes."""
+    try:
+        _serve(conn, parent)
+    finally:
+        atexit._run_exitfuncs()
+
+
+def _serve(conn: Connection, parent: tuple[dict[str, str], str]) -> None:
+    take_parents(*parent)  # before the snapshot of what a fresh process has
     torch.set_num_threads(1)
-    import_library()  # paid once here, not by every case
+    import_library()  # the forkserver imported it already: nothing to do for a forked worker
 
     # What is alive now lives for good: leave it out of every later collection, so that the
     # collections that free each case's groups take milliseconds, not most of a second.

@@ -43,15 +43,23 @@ _NOT_LIBRARY = {"testing", "verify", "bench", "cli", "integrations", "__main__"}
 _SCALARS = (int, float, bool, str, type(None))
 
 
-def import_library() -> None:
-    """Import every module of the library, so that their counters are seen before any case."""
+def library_modules() -> list[str]:
+    """The name of every module of the library (not its harnesses and tools)."""
+    names = []
     for path in sorted(_LIBRARY.rglob("*.py")):
         parts = path.relative_to(_LIBRARY).with_suffix("").parts
         if parts[0] in _NOT_LIBRARY:
             continue
         if parts[-1] == "__init__":
             parts = parts[:-1]
-        importlib.import_module(".".join(("gradsync", *parts)))
+        names.append(".".join(("gradsync", *parts)))
+    return names
+
+
+def import_library() -> None:
+    """Import every module of the library, so that their counters are seen before any case."""
+    for name in library_modules():
+        importlib.import_module(name)
 
 
 def _library_scalars() -> dict[tuple[str, str], Any]:

@@ -5,9 +5,10 @@ ports, so any number of these can run side by side. The process-group timeout is
 torch's 30-minute default, so a hang fails fast. Errors come back tagged with the rank that
 raised them.
 
-The ranks are fresh processes (``spawn`` start method, ``fresh.py``), or, while a pool is open
-(``pool.py``; the test session opens one), long-lived workers that run case after case, each on
-a new group and with the process state of a fresh start put back. Either way a rank passes only
+The ranks are fresh processes (``fresh.py``), or, while a pool is open (``pool.py``; the test
+session opens one), long-lived workers that run case after case, each on a new group and with
+the process state of a fresh start put back; both are forked from one server that imported the
+library (``forkserver.py``). Either way a rank passes only
 if it returns and then ends cleanly: a fresh process must exit by itself with code 0 (a crash
 or hang at interpreter shutdown, a process-group destructor racing finalisation, fails the run
 like any other crash); a pooled worker must free its process groups and threads in time.
