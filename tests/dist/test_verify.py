@@ -1,7 +1,8 @@
 """``gradsync verify`` end to end: the clean run passes, and every injected bug is named.
 
-Each verify run is one spawn of 2 ranks (~2-3 s of imports per rank) plus the reference, which
-runs in this process. The factories below stand in for a user's own setup.
+Each verify run called in this process runs its ranks on the session's pool of ranks and its
+reference here; the command-line run starts its own. The factories below stand in for a
+user's own setup.
 """
 
 from __future__ import annotations
