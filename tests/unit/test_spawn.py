@@ -1,8 +1,8 @@
 """The spawn harness sees every way a rank can end badly, not only exceptions.
 
 A rank is a real process on gloo. Reporting a result is not enough to pass: the rank must then
-exit by itself with code 0, because a crash or a hang at interpreter shutdown (a process-group
-destructor racing the interpreter's finalisation) is a bug the tests must not hide. The ranks
+exit by itself with code 0, because a crash or a hang at its end (freeing its process groups,
+its exit handlers) is a bug the tests must not hide. The ranks
 below misbehave on purpose through atexit handlers, which run after the rank has put its result
 on the queue and torn the process group down: exactly where such crashes happen. They run on
 fresh processes (``fresh=True``).

@@ -157,7 +157,7 @@ class RankPool:
 
     def close(self, grace_s: float = 30.0) -> list[str]:
         """Stop every worker; the ones that did not exit by themselves with code 0 within
-        ``grace_s`` (a crash or hang at interpreter shutdown), one line each."""
+        ``grace_s`` (a crash or hang in their exit handlers), one line each."""
         with self._lock:
             for w in self._workers:
                 self._stop(w)

@@ -8,10 +8,10 @@ raised them.
 The ranks are fresh processes (``fresh.py``), or, while a pool is open (``pool.py``; the test
 session opens one), long-lived workers that run case after case, each on a new group and with
 the process state of a fresh start put back; both are forked from one server that imported the
-library (``forkserver.py``). Either way a rank passes only
-if it returns and then ends cleanly: a fresh process must exit by itself with code 0 (a crash
-or hang at interpreter shutdown, a process-group destructor racing finalisation, fails the run
-like any other crash); a pooled worker must free its process groups and threads in time.
+library (``forkserver.py``). Either way a rank passes only if it returns and then ends
+cleanly: a fresh process must exit by itself with code 0 (a crash or hang in its exit
+handlers or in freeing its process groups fails the run like any other crash); a pooled worker
+must free its process groups and threads in time.
 """
 
 from __future__ import annotations
