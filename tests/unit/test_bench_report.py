@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from gradsync.bench import plots, report, steptime
 from gradsync.testing.netns import PAYLOAD_FRACTION
@@ -207,3 +208,21 @@ def test_each_round_has_its_own_order_the_same_on_every_rank() -> None:
     # Unlike a rotation, who runs just before v0 changes from round to round.
     before = {o[o.index("v0") - 1] for o in orders if o.index("v0") > 0}
     assert len(before) >= 4
+
+
+def test_the_torch_baseline_is_built_with_torchs_own_defaults(one_rank) -> None:  # type: ignore[no-untyped-def]
+    # torch DDP closes its first bucket at 1 MiB only when bucket_cap_mb is left out; a bench
+    # that passed its default value (25) would time a plan with one all-reduce fewer.
+    from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+    from gradsync.bench.variant import torch_ddp_caps
+    from gradsync.bench.worker import bench_variants
+
+    torch_variants = [v for v in bench_variants(formats=True) if v.kind.startswith("torch_ddp")]
+    model = torch.nn.Linear(4, 4)
+
+    def builds_torchs_default(cap: float | str | None) -> bool:
+        return bool(TorchDDP(model, **torch_ddp_caps(cap)).bucket_bytes_cap_default)
+
+    defaults = [v.name for v in torch_variants if builds_torchs_default(v.bucket_cap_mb)]
+    assert defaults == ["torch DDP default", "torch DDP + bf16_compress_hook"], defaults

@@ -21,7 +21,7 @@ from torch import nn
 
 import gradsync
 from gradsync.bench import wire
-from gradsync.bench.variant import DEFAULT_CAP, Variant, wrapper_cap
+from gradsync.bench.variant import DEFAULT_CAP, Variant, torch_ddp_caps, wrapper_cap
 from gradsync.testing.gpt import GPT, GPTConfig, lm_loss
 
 DEFAULT_NAME = "gradsync default"
@@ -31,7 +31,7 @@ DEFAULT_VARIANTS = (
     Variant("average_gradients", "naive"),
     Variant("gradsync bucket_cap_mb=0", "gradsync", 0.0),
     Variant(DEFAULT_NAME, "gradsync", DEFAULT_CAP),
-    Variant("torch DDP default", "torch_ddp", 25.0),
+    Variant("torch DDP default", "torch_ddp", DEFAULT_CAP),
 )
 
 
@@ -79,9 +79,8 @@ def _build(
     if variant.kind == "gradsync_auto":  # profiles its first steps, then switches plan
         return gradsync.DistributedDataParallel(gpt, bucket_cap_mb="auto"), gpt, lambda: None
     if variant.kind == "torch_ddp":
-        cap = variant.bucket_cap_mb if variant.bucket_cap_mb is not None else 1e6
-        tddp = torch.nn.parallel.DistributedDataParallel(gpt, bucket_cap_mb=cap)
-        return tddp, gpt, lambda: None
+        caps = torch_ddp_caps(variant.bucket_cap_mb)
+        return torch.nn.parallel.DistributedDataParallel(gpt, **caps), gpt, lambda: None
     if variant.kind == "local":
         return gpt, gpt, lambda: None
     if variant.kind in ("gradsync_wire", "torch_ddp_hook"):

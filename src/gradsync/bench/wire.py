@@ -32,26 +32,22 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
 
 import gradsync
-from gradsync.bench.variant import DEFAULT_CAP, Variant, wrapper_cap
+from gradsync.bench.variant import DEFAULT_CAP, Variant, torch_ddp_caps, wrapper_cap
 from gradsync.comm.powersgd import PowerSGD
 
 WIRE_KINDS = ("gradsync_wire", "torch_ddp_hook")
 POWERSGD_RANK = 4
 START_ITER = 2  # exact steps before PowerSGD compresses, the same on both sides
-ONE_BUCKET_MB = 1e6  # larger than any model here: torch DDP then plans a single bucket
 # Both bf16 wires also run at this cap, to compare the two at the same buckets (their defaults
 # differ: on the bench's model gradsync's "scaled" cap is 6 MiB, torch's 25 MB).
 SMALL_CAP_MB = 5.0
-TORCH_DEFAULT_CAP_MB = 25.0
 
 
 def wire_variants() -> tuple[Variant, ...]:
     return (
         Variant("gradsync bf16 wire", "gradsync_wire", DEFAULT_CAP, wire="bf16"),
         Variant("gradsync PowerSGD rank 4", "gradsync_wire", DEFAULT_CAP, wire="powersgd"),
-        Variant(
-            "torch DDP + bf16_compress_hook", "torch_ddp_hook", TORCH_DEFAULT_CAP_MB, wire="bf16"
-        ),
+        Variant("torch DDP + bf16_compress_hook", "torch_ddp_hook", DEFAULT_CAP, wire="bf16"),
         Variant(
             "torch DDP + PowerSGD hook rank 4 (1 bucket)",
             "torch_ddp_hook",
@@ -92,9 +88,7 @@ def build(variant: Variant, gpt: nn.Module) -> nn.Module:
             first_bucket_cap_mb=variant.first_bucket_cap_mb,
             compression=compression,
         )
-    one_bucket = variant.bucket_cap_mb in (None, math.inf)
-    cap = ONE_BUCKET_MB if one_bucket else variant.bucket_cap_mb
-    tddp = torch.nn.parallel.DistributedDataParallel(gpt, bucket_cap_mb=cap)
+    tddp = torch.nn.parallel.DistributedDataParallel(gpt, **torch_ddp_caps(variant.bucket_cap_mb))
     if variant.wire == "bf16":
         tddp.register_comm_hook(None, bf16_hook)
     else:
@@ -194,9 +188,7 @@ def wire_targets(result: dict[str, Any]) -> list[tuple[str, bool | None, str]]:
     base, base_bytes = _row(result, torch_name)
     targets = []
     for (wire, kind, cap), name in names.items():
-        hook = names.get(
-            ("bf16", "torch_ddp_hook", TORCH_DEFAULT_CAP_MB if cap == DEFAULT_CAP else cap)
-        )
+        hook = names.get(("bf16", "torch_ddp_hook", cap))
         if wire != "bf16" or kind != "gradsync_wire" or hook is None:
             continue
         bf16, _ = _row(result, name)

@@ -84,7 +84,7 @@ def bench_variants(
             label += " (per parameter)"
         variants.append(Variant(f"gradsync {label}", "gradsync", cap))
     variants.append(Variant("gradsync bucket_cap_mb='auto'", "gradsync_auto", None))
-    variants.append(Variant("torch DDP default", "torch_ddp", 25.0))
+    variants.append(Variant("torch DDP default", "torch_ddp", DEFAULT_CAP))
     if formats:
         variants += wire.wire_variants()
     variants.append(Variant("compute only (local)", "local"))
