@@ -15,6 +15,7 @@ outlive the case make the pool replace the worker.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import logging
 import os
@@ -43,8 +44,10 @@ _NOT_LIBRARY = {"testing", "verify", "bench", "cli", "integrations", "__main__"}
 _SCALARS = (int, float, bool, str, type(None))
 
 
-def library_modules() -> list[str]:
-    """The name of every module of the library (not its harnesses and tools)."""
+@functools.cache
+def library_modules() -> tuple[str, ...]:
+    """The name of every module of the library (not its harnesses and tools). Read once: every
+    fresh run and every pool worker's start asks for it (``forkserver.py``)."""
     names = []
     for path in sorted(_LIBRARY.rglob("*.py")):
         parts = path.relative_to(_LIBRARY).with_suffix("").parts
@@ -53,7 +56,7 @@ def library_modules() -> list[str]:
         if parts[-1] == "__init__":
             parts = parts[:-1]
         names.append(".".join(("gradsync", *parts)))
-    return names
+    return tuple(names)
 
 
 def import_library() -> None:
