@@ -52,15 +52,7 @@ def _hang_at_exit(rank: int, world: int) -> dict:
     return _report(rank, world)
 
 
-def _past_connection_setup() -> None:
-    """Before a rank ends its own process on purpose: a peer gone while rank 0 is still in
-    gloo's connection set-up fails rank 0's init ("Connection closed by peer"), which would race
-    the death being named."""
-    dist.barrier()
-
-
 def _exit_3_before_reporting(rank: int, world: int) -> dict:
-    _past_connection_setup()
     if rank == 1:
         os._exit(3)
     return _report(rank, world)
@@ -217,7 +209,6 @@ def test_a_hung_case_fails_at_its_deadline_and_the_next_case_runs(pool: RankPool
 
 
 def _die(rank: int, world: int, how: str) -> int:
-    _past_connection_setup()
     if rank == 1:
         if how == "exit":
             os._exit(3)

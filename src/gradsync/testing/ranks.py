@@ -106,6 +106,12 @@ def run_rank(
                 world_size=world_size,
                 timeout=timedelta(seconds=pg_timeout_s),
             )
+            # A rank leaves gloo's connection set-up once its own pairs are connected, maybe
+            # before a peer has finished its side. Were it then to fail or end its process at
+            # once, that peer's init would fail too ("Connection closed by peer") and the run
+            # would name two ranks, which one depending on timing. Past this barrier every
+            # rank is connected, so what ``fn`` does is all that is reported.
+            dist.barrier()
         except Exception as exc:
             raise InitFailure(f"{type(exc).__name__}: {exc}") from exc
         out = fn(rank, world_size, *args)
