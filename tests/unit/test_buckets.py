@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import argparse
 import math
+import random
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 
 import gradsync
@@ -34,18 +36,45 @@ def test_cap_zero_gives_one_bucket_per_parameter_in_reverse_order() -> None:
     assert members(specs) == [[2], [1], [0]]
 
 
-def test_positive_cap_fills_in_reverse_order_without_exceeding_it() -> None:
+def test_positive_cap_closes_a_bucket_once_it_holds_the_cap() -> None:
     # 4-byte elements: 10, 20, 30, 5 elements = 40, 80, 120, 20 bytes; cap 130 bytes.
     specs = plan_buckets([(10, F32), (20, F32), (30, F32), (5, F32)], 130)
-    assert members(specs) == [[3], [2], [1, 0]]
-    assert all(s.nbytes <= 130 or len(s.param_indices) == 1 for s in specs)
-    assert [s.offsets for s in specs] == [(0,), (0,), (0, 20)]
-    assert [s.numel for s in specs] == [5, 30, 30]
+    assert members(specs) == [[3, 2], [1, 0]]  # 140 bytes: past the cap by its last parameter
+    assert [s.offsets for s in specs] == [(0, 5), (0, 20)]
+    assert [s.numel for s in specs] == [35, 30]
 
 
-def test_parameter_larger_than_cap_gets_its_own_bucket() -> None:
+def test_parameter_larger_than_cap_closes_the_bucket_it_joins() -> None:
     specs = plan_buckets([(1, F32), (1000, F32), (1, F32)], 16)
-    assert members(specs) == [[2], [1], [0]]
+    assert members(specs) == [[2, 1], [0]]
+
+
+def _torch_plan(params: list[tuple[int, torch.dtype]], cap: int, first: int | None) -> list:
+    """torch DDP's buckets for ``params`` when gradients arrive in reverse registration order:
+    what its rebuild computes after the first iteration."""
+    order = list(reversed(range(len(params))))
+    tensors = [torch.empty(params[i][0], dtype=params[i][1]) for i in order]
+    limits = [cap] if first is None else [first, cap]
+    buckets, _ = dist._compute_bucket_assignment_by_size(
+        tensors, limits, [False] * len(params), order
+    )
+    return [list(b) for b in buckets]
+
+
+def test_the_plan_is_torch_ddps() -> None:
+    rng = random.Random(0)
+    for _ in range(300):
+        dtypes = rng.choice([[F32], [F32, torch.float64]])
+        params = [(rng.choice([1, 3, 10, 25, 100, 400]), rng.choice(dtypes)) for _ in range(12)]
+        cap = rng.choice([0, 8, 40, 100, 400, 1000])
+        first = rng.choice([None, 4, 50, cap])
+        first = None if first is None else min(first, cap)
+        ours = members(plan_buckets(params, cap, first))
+        torchs = _torch_plan(params, cap, first)
+        if len(dtypes) == 1:
+            assert ours == torchs, (params, cap, first)
+        else:  # torch closes the buckets left open at the end in hash-map order
+            assert sorted(ours) == sorted(torchs), (params, cap, first)
 
 
 def test_none_is_one_bucket_per_dtype() -> None:
@@ -124,7 +153,7 @@ def test_the_wrapper_defaults_to_torchs_cap_on_one_host(one_rank) -> None:  # ty
     assert ddp.bucket_cap_mb == 25.0 and len(ddp.bucket_specs) == 2
     scaled = gradsync.DistributedDataParallel(model, bucket_cap_mb="scaled")
     assert scaled.bucket_cap_mb == scaled_cap_mb(grad_bytes) == pytest.approx(2.0313, abs=1e-4)
-    assert [list(s.param_indices) for s in scaled.bucket_specs] == [[5, 4], [3], [2], [1], [0]]
+    assert [list(s.param_indices) for s in scaled.bucket_specs] == [[5, 4, 3], [2], [1], [0]]
     named = list(model.named_parameters())
     sizes = [(p.numel(), p.dtype) for _, p in named]
     assert wire_bytes(None, named, sizes) == grad_bytes
@@ -149,7 +178,10 @@ def test_strip_prefixes() -> None:
 def test_first_bucket_cap_starts_communication_sooner() -> None:
     # 40-byte parameters, cap 100 bytes: the first bucket closes once it holds 50 bytes.
     specs = plan_buckets([(10, F32)] * 5, 100, first_cap_bytes=50)
-    assert members(specs) == [[4, 3], [2, 1], [0]]
+    assert members(specs) == [[4, 3], [2, 1, 0]]
+    # Each dtype's first bucket: a float64 parameter does not count as float32's first.
+    mixed = [(10, F32), (10, F32), (10, F32), (10, torch.float64), (10, torch.float64)]
+    assert members(plan_buckets(mixed, 100, first_cap_bytes=50)) == [[4], [2, 1], [3], [0]]
     # A first parameter already past first_cap_bytes goes alone; the cap still holds.
     specs = plan_buckets([(10, F32), (10, F32), (20, F32)], 100, first_cap_bytes=50)
     assert members(specs) == [[2], [1, 0]]
