@@ -3,8 +3,9 @@
 One spawn runs every case side by side with ``torch.nn.parallel.DistributedDataParallel`` on
 the same data: torch's ``Join`` with uneven inputs (both divisors), Accelerate's
 ``trigger_sync_in_backward`` (``reducer.prepare_for_backward`` after a ``no_sync`` forward),
-``init_sync=False``, the buffer-sync arguments of torch 2.13, and ``require_backward_grad_sync``
-changed while the module's forward runs (Lightning's manual optimization).
+``init_sync=False``, the buffer-sync arguments of torch 2.13, ``require_backward_grad_sync``
+changed while the module's forward runs (Lightning's manual optimization), and the bucket plan:
+the same parameters in each bucket as torch's rebuilt buckets.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from torch.distributed.algorithms.join import Join
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import gradsync
+from gradsync.testing.gpt import GPT, GPTConfig, lm_loss
 from gradsync.testing.spawn import spawn
 
 import toy
@@ -146,8 +148,27 @@ def _buffers(rank: int, world: int, wrap, **kwargs) -> list[float]:  # type: ign
     return [*seen, model.bn.running_mean[0].item()]
 
 
+def _buckets(cfg: GPTConfig, **kwargs) -> tuple[list, list]:  # type: ignore[no-untyped-def]
+    """The parameters of each bucket: torch DDP's after its rebuild (gradients in the order
+    they became ready), and gradsync's plan for the same model and arguments."""
+    torch.manual_seed(0)
+    theirs = TorchDDP(GPT(cfg), **kwargs)
+    ours = gradsync.DistributedDataParallel(GPT(cfg), **kwargs)
+    x = torch.randint(0, cfg.vocab_size, (2, cfg.block_size))
+    for _ in range(2):
+        lm_loss(theirs(x), x).backward()
+    theirs(x)  # torch rebuilds its buckets at the forward after its first backward
+    rebuilt = theirs._get_ddp_logging_data()["rebuilt_per_bucket_param_indices"]
+    torchs = [sorted(int(i) for i in b.split()) for b in rebuilt.split(",")]
+    return torchs, [sorted(spec.param_indices) for spec in ours.bucket_specs]
+
+
 def _drop_in(rank: int, world: int) -> dict:
     out: dict = {}
+    # The bench's GPT (50.7 MB of gradients) at the default caps, and a tiny one at a small cap.
+    out["buckets", "default"] = _buckets(GPTConfig(64, 16, n_layer=4, n_head=8, n_embd=512))
+    tiny = GPTConfig(64, 16, n_layer=2, n_head=2, n_embd=32)
+    out["buckets", "cap 0.002"] = _buckets(tiny, bucket_cap_mb=0.002)
     ours, torchs = gradsync.DistributedDataParallel, TorchDDP
     for how in ("Join, divide by world", "Join, divide by active", "model.join()"):
         out[("join", how, "gradsync")] = _uneven(rank, world, ours, how)
@@ -176,6 +197,9 @@ def _drop_in(rank: int, world: int) -> dict:
 def test_torch_ddp_programs_get_torchs_results() -> None:
     per_rank = spawn(_drop_in, 2)
     for out in per_rank:
+        for key in (("buckets", "default"), ("buckets", "cap 0.002")):
+            torchs, ours = out[key]
+            assert ours == torchs and len(ours) > 2, (key, torchs, ours)
         for how in ("Join, divide by world", "Join, divide by active", "model.join()"):
             ours, theirs = out["join", how, "gradsync"], out["join", how, "torch"]
             assert toy.max_diff(ours, theirs) < TOL, how
