@@ -35,7 +35,7 @@ class BucketSpec:
 
     @property
     def nbytes(self) -> int:
-        return self.numel * torch.empty((), dtype=self.dtype).element_size()
+        return self.numel * self.dtype.itemsize
 
 
 # [Note: the default bucket cap]
@@ -196,7 +196,7 @@ def plan_buckets(
 
     def add(i: int) -> None:
         numel, dtype = params[i]
-        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        nbytes = numel * dtype.itemsize
         open_.setdefault(dtype, []).append(i)
         open_bytes[dtype] = open_bytes.get(dtype, 0) + nbytes
         if cap_bytes is None:
