@@ -59,6 +59,7 @@ class BareReducer(nn.Module):
         ]
         self.pending = [0] * len(specs)
         self.works: list[dist.Work] = []
+        self.finish_queued = False
         for b, ps in enumerate(self.buckets):
             for p in ps:
                 p.register_post_accumulate_grad_hook(self._hook(b))
@@ -67,12 +68,14 @@ class BareReducer(nn.Module):
     def forward(self, *args: torch.Tensor) -> torch.Tensor:
         self.pending = [len(ps) for ps in self.buckets]
         self.works = []
+        self.finish_queued = False
         return self.module(*args)
 
     def _hook(self, b: int) -> Callable[[torch.Tensor], None]:
         def hook(param: torch.Tensor) -> None:
-            if not self.works and sum(self.pending) == sum(len(ps) for ps in self.buckets):
+            if not self.finish_queued:  # the first gradient of this backward
                 torch.autograd.Variable._execution_engine.queue_callback(self._finish)
+                self.finish_queued = True
             self.pending[b] -= 1
             # launched strictly in bucket order: every rank must issue them in the same order
             while len(self.works) < len(self.buckets) and self.pending[len(self.works)] == 0:
