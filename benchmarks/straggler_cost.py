@@ -218,11 +218,11 @@ def micro(num_buckets: int, every: int, repeats: int) -> list[tuple[str, float, 
         width = 1 + len(PHASES) + num_buckets
         tail = TailLayout(world, 1)
         tail.register(timing_slots.RIDER, width)
-        tail.bind(torch.zeros(width * world, dtype=torch.float64))
+        values = torch.zeros(width * world, dtype=torch.float64)
         record = _records(1, num_buckets, rng)[0]
 
-        def write(t: TailLayout = tail, r: RankStep = record) -> None:
-            t.write({timing_slots.RIDER: encode(r, num_buckets)})
+        def write(t: TailLayout = tail, r: RankStep = record, v: torch.Tensor = values) -> None:
+            t.write(v, {timing_slots.RIDER: encode(r, num_buckets)})
 
         med, best = _best_us(write, 2000, repeats)
         rows.append((f"encode + TailLayout.write (world {world})", med, best, 1))
@@ -246,20 +246,20 @@ def micro(num_buckets: int, every: int, repeats: int) -> list[tuple[str, float, 
         tl = StepTimeline(every, 0, world, torch.device("cpu"))
         tail = TailLayout(world, 0)  # as the reducer lays out bucket 0's tail
         tail.register(timing_slots.RIDER, tl.width(num_buckets))
-        tail.bind(torch.zeros(tail.numel, dtype=torch.float64))
+        values = torch.zeros(tail.numel, dtype=torch.float64)
         steps = [_records(world, num_buckets, rng) for _ in range(50)]
         flats = [[v for r_ in recs if r_ is not None for v in (1.0, *r_.phases, *r_.launches)]
                  for recs in steps]  # fmt: skip
 
         def one_step(
             tl: StepTimeline = tl, tail: TailLayout = tail, flats: list = flats,
-            n: list = [0],  # noqa: B006
+            values: torch.Tensor = values, n: list = [0],  # noqa: B006
         ) -> None:  # fmt: skip
             i = n[0] = n[0] + 1
             rec_ = tl.recorder
             rec_.forward_began()
             rec_.forward_ended()
-            tail.write({timing_slots.RIDER: tl.outgoing(num_buckets)})
+            tail.write(values, {timing_slots.RIDER: tl.outgoing(num_buckets)})
             for b in range(num_buckets - 1, -1, -1):
                 rec_.launched(b)
             rec_.backward_ended()

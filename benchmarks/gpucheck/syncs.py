@@ -223,7 +223,6 @@ def tail_in_flight(device: torch.device) -> dict[str, Any]:
     layout = TailLayout(world_size=2, rank=0)
     layout.register("record", len(FIRST))
     tail = torch.zeros(layout.numel, device=device)
-    layout.bind(tail)
     cuda = device.type == "cuda"
     held = None
     if cuda:
@@ -231,9 +230,9 @@ def tail_in_flight(device: torch.device) -> dict[str, Any]:
         torch.cuda._sleep(HOLD_CYCLES)
         held = torch.cuda.Event()
         held.record()
-    layout.write({"record": FIRST})
+    layout.write(tail, {"record": FIRST})
     seen = tail.clone()  # queued behind the sleep, as bucket 0's all-reduce would be
-    layout.write({"record": SECOND})
+    layout.write(tail, {"record": SECOND})
     still_held = held is not None and not held.query()
     if cuda:
         torch.cuda.synchronize()

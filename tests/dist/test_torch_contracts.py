@@ -6,6 +6,8 @@ device mesh switched on.
 - ``opt.zero_grad()`` / ``model.zero_grad()`` after backward clears what the step would apply;
 - ``model.module.state_dict()`` and ``model.module.parameters()`` right after ``opt.step()``
   hold the stepped weights on every rank;
+- a ``.grad`` kept from one step keeps its values through the next steps, though gradsync
+  hands the bucket's buffer over to the gradients rather than copying out of it;
 - optimizer hyper-parameters (and which parameters have a ``.grad``) are compared across ranks
   at every sharded step: a difference raises ``UsageError`` on every rank, naming it.
 
@@ -78,11 +80,13 @@ def _train(
     clip: str = "",
     clears: dict[int, str] | None = None,
     slow_rank: int | None = None,
+    kept: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
 ) -> dict[str, Any]:
     """``STEPS`` steps; returns per step the module's state read right after ``opt.step()``
     (``state_dict()`` and ``parameters()``, as a checkpoint or an EMA reads them) and the norm
     the clipping returned. ``slow_rank`` reaches each step 0.2 s late, so that a parameter
-    all-gather still in flight on the others would show in what they read."""
+    all-gather still in flight on the others would show in what they read. ``kept`` gets
+    every ``.grad`` after each backward, with a copy of its values."""
     rank = torch.distributed.get_rank()
     state, params, norms = [], [], []
     names = [n for n, _ in ddp.module.named_parameters()]
@@ -90,6 +94,8 @@ def _train(
         tokens, targets = mesh_run.rank_part(batch, mesh)
         opt.zero_grad()
         lm_loss(ddp(tokens), targets).backward()
+        if kept is not None:
+            kept += [(p.grad, p.grad.clone()) for p in ddp.parameters() if p.grad is not None]
         _clear(opt, ddp, (clears or {}).get(step))
         if clip == "torch":
             norms.append(float(_full(torch.nn.utils.clip_grad_norm_(ddp.parameters(), CLIP))))
@@ -162,6 +168,10 @@ def _run(rank: int, world: int) -> dict[str, Any]:
     out["sharded, zero_grad"] = _train(*_sharded(dp), dp, clears=CLEARS)
     out["sharded, read after step"] = _train(*_sharded(dp), dp, slow_rank=1)
     out["misuse"] = _misuse(dp, rank)
+    ddp, kept = _wrap(dp), []
+    out["kept grads"] = _train(ddp, torch.optim.SGD(ddp.parameters(), **SGD), dp, kept=kept)
+    out["kept grads"]["changed"] = sum(not torch.equal(g, values) for g, values in kept)
+    out["kept grads"]["kept"] = len(kept)
     # Compression: torch's clip on the reduced (bf16-summed, or low-rank) .grad.
     for name, compression in (("bf16", "bf16"), ("powersgd", PowerSGD(rank=1))):
         ddp = _wrap(dp, compression=compression)
@@ -214,6 +224,10 @@ def test_torch_idioms_keep_their_meaning() -> None:
         assert max(abs(a - b) for a, b in zip(got, norms, strict=True)) < 1e-12, (got, norms)
         # zero_grad() after backward clears what the step applies, as for torch.
         _check_steps("sharded, zero_grad", r["sharded, zero_grad"], cleared)
+        # Gradients kept from earlier steps: nothing wrote into them since.
+        got = r["kept grads"]
+        _check_steps("kept grads", got, plain)
+        assert got["kept"] == STEPS * len(plain[0]) and got["changed"] == 0, got
         # Read right after opt.step(), while the other rank is still on its way: stepped.
         _check_steps("sharded, read after step", r["sharded, read after step"], plain)
         misuse = r["misuse"]

@@ -201,34 +201,67 @@ def test_strip_prefixes_keeps_a_models_own_module_prefix() -> None:
     assert strip_prefixes({f"module.{k}": 0 for k in plain}, plain.keys()) == plain
 
 
-def test_results_give_new_gradients_one_copy_per_bucket_and_keep_existing_ones() -> None:
-    params = [torch.nn.Parameter(torch.zeros(n)) for n in (3, 20, 5)]
+def _summed_bucket(sizes: tuple[int, ...] = (3, 20, 5)) -> tuple[Bucket, torch.Tensor]:
+    """A bucket whose gradients have been "summed" to 0, 1, 2, ...; and that buffer."""
+    params = [torch.nn.Parameter(torch.zeros(n)) for n in sizes]
     (spec,) = plan_buckets([(p.numel(), p.dtype) for p in params], None)
     bucket = Bucket(spec, [params[i] for i in spec.param_indices])
-    bucket.grads.copy_(torch.arange(28.0))
+    bucket.grads.copy_(torch.arange(float(spec.numel)))
+    return bucket, bucket.buffer
+
+
+def _is_view_of(grad: torch.Tensor | None, buffer: torch.Tensor, offset: int) -> bool:
+    assert grad is not None
+    at = buffer.data_ptr() + offset * buffer.element_size()
+    return grad.untyped_storage().data_ptr() == buffer.data_ptr() and grad.data_ptr() == at
+
+
+def test_results_hand_the_buffer_over_and_write_a_kept_gradient_in_place() -> None:
+    bucket, summed = _summed_bucket()
+    offsets = bucket.spec.offsets
     kept = torch.full((bucket.params[1].numel(),), -1.0)
-    bucket.params[1].grad = kept
+    bucket.params[1].grad = kept  # there before the window opened: the user may hold it
     copies = bucket.results([2, 2, 2])
-    assert [dst is kept for dst, _ in copies] == [True]  # copied into, in the caller's batch
-    fresh = [bucket.params[0], bucket.params[2]]
+    assert [(dst is kept, _is_view_of(src, summed, offsets[1])) for dst, src in copies] == [
+        (True, True)
+    ]  # written in place from the summed buffer, in the caller's batch
+    for slot in (0, 2):  # no .grad: each becomes the summed buffer's view, no copy
+        assert _is_view_of(bucket.params[slot].grad, summed, offsets[slot])
+    assert bucket.buffer.data_ptr() != summed.data_ptr()  # the next step's is a new buffer
+    assert bucket.views[0].data_ptr() == bucket.buffer.data_ptr()
+    assert bucket.tail.numel() == 0 and bucket.used_flags.numel() == 3
+    bucket.grads.fill_(7.0)  # the next step cannot reach the gradients handed over
     for slot in (0, 2):
-        grad = bucket.params[slot].grad
-        assert grad is not None and torch.equal(grad, bucket.views[slot])
-        assert grad.data_ptr() != bucket.views[slot].data_ptr()  # not the buffer itself
-    # A mostly-kept span is not copied for two small ends: a clone each.
-    assert fresh[0].grad.untyped_storage().data_ptr() != fresh[1].grad.untyped_storage().data_ptr()
-    for p in params:
-        p.grad = None
-    bucket.results([2, 0, 2])  # unused everywhere: left as it was
+        o = offsets[slot]
+        assert torch.equal(
+            bucket.params[slot].grad, torch.arange(28.0)[o : o + bucket.numels[slot]]
+        )
+
+
+def test_only_a_gradient_autograd_made_in_the_window_is_handed_over() -> None:
+    bucket, summed = _summed_bucket((4, 4, 4, 4))
+    p = bucket.params
+    p[0].grad = torch.zeros(4)  # there when the window opened: written in place
+    bucket.open_window(training=True)
+    p[1].grad = torch.zeros(4)  # made in the window, as autograd does after zero_grad()
+    p[2].grad = torch.zeros(8)[::2]  # made in the window, but not contiguous like the view
+    p[3].grad = torch.zeros(4, requires_grad=True)  # a graph: [Note: gradients with a graph]
+    before = [q.grad for q in p]
+    copies = bucket.results([1, 1, 1, 1])
+    assert [dst for dst, _ in copies] == [before[0], before[2], before[3]]
+    assert p[0].grad is before[0] and p[2].grad is before[2] and p[3].grad is before[3]
+    assert _is_view_of(p[1].grad, summed, bucket.spec.offsets[1])
+
+
+def test_a_gradient_unused_everywhere_is_left_as_it_was() -> None:
+    bucket, summed = _summed_bucket()
+    bucket.open_window(training=True)
+    assert bucket.results([2, 0, 2]) == []
     assert bucket.params[1].grad is None
-    for p in params:
-        p.grad = None
-    bucket.results([1, 1, 1])
-    storages = {p.grad.untyped_storage().data_ptr() for p in params}  # type: ignore[union-attr]
-    assert len(storages) == 1  # one copy of the bucket, each gradient a view of it
-    bucket.grads.zero_()  # the gradients no longer alias the buffer
-    assert all(torch.equal(p.grad, torch.arange(28.0)[o : o + p.numel()])  # type: ignore[arg-type]
-               for p, o in zip(bucket.params, spec.offsets, strict=True))  # fmt: skip
+    assert bucket.buffer.data_ptr() != summed.data_ptr()
+    bucket, summed = _summed_bucket()
+    assert bucket.results([0, 0, 0]) == []  # nothing handed over: the buffer stays
+    assert bucket.buffer is summed
 
 
 def test_parameters_planned_last_fill_the_last_buckets_in_reverse_order() -> None:

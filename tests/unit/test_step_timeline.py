@@ -184,8 +184,7 @@ def test_slots_carry_each_ranks_record_and_nothing_for_the_others(dtype: torch.d
         tail.register(tags.RIDER, tags.NUM_FIELDS)
         tail.register(slots.RIDER, width)
         values = torch.full((tail.numel,), 5.0, dtype=dtype)  # stale: write() zeroes it
-        tail.bind(values)
-        tail.write({
+        tail.write(values, {
             tags.RIDER: tag.encode() if tag is not None else None,
             slots.RIDER: encode(record, buckets) if record is not None else None,
         })  # fmt: skip
@@ -212,14 +211,14 @@ def test_the_tail_is_laid_out_once_and_refuses_what_does_not_fit() -> None:
     with pytest.raises(ValueError, match="twice"):
         tail.register("a", 1)
     with pytest.raises(ValueError, match="holds 9 values"):
-        tail.bind(torch.zeros(9))
+        tail.write(torch.zeros(9), {})
     values = torch.zeros(10)
-    tail.bind(values)
+    tail.write(values, {})
     with pytest.raises(RuntimeError, match="after the tail was laid out"):
         tail.register("c", 1)
     with pytest.raises(ValueError, match="expected 3"):
-        tail.write({"b": [1.0]})
-    tail.write({"b": [1.0, 2.0, 3.0]})  # rank 1's record: the second half, after its "a"
+        tail.write(values, {"b": [1.0]})
+    tail.write(values, {"b": [1.0, 2.0, 3.0]})  # rank 1's record: the second half, after its "a"
     assert values.tolist() == [0.0] * 7 + [1.0, 2.0, 3.0]
     assert tail.written == [0.0, 0.0, 1.0, 2.0, 3.0]
     assert tail.split(values.tolist()) == {"a": [0.0] * 4, "b": [0.0] * 3 + [1.0, 2.0, 3.0]}

@@ -4,9 +4,10 @@ and out of it.
 A bucket's buffer holds its gradients, then one used flag per parameter (see [Note: used
 flags] below) and, in the first bucket, every rank's records of the step (see
 [Note: bucket 0's tail] in ``tail.py``). :class:`Bucket` copies each gradient in once its
-whole bucket has arrived; :class:`AccumulatingBucket` (``main_grad_dtype``) owns the gradients
-instead, adding each micro-batch's into its buffer as it arrives (see [Note: main gradients] in
-``main_grads.py``).
+whole bucket has arrived, and after the sum mostly hands the buffer over rather than copying
+out of it (see [Note: handing the buffer over] below); :class:`AccumulatingBucket`
+(``main_grad_dtype``) owns the gradients instead, adding each micro-batch's into its buffer as
+it arrives (see [Note: main gradients] in ``main_grads.py``).
 
 [Note: used flags]
 Each bucket carries, after its gradients, one element per parameter: 1 if the parameter got a
@@ -15,6 +16,26 @@ all-reduce, so every rank learns, at no extra collective, on how many ranks each
 used. That lets every rank raise the same error for an unused parameter (instead of one rank
 erroring while the others hang) and leave the ``.grad`` of a parameter unused everywhere
 untouched, exactly as single-process training would.
+
+[Note: handing the buffer over]
+Once a bucket is summed, torch DDP copies each reduced gradient out of the bucket into
+``.grad``: a pass over every gradient byte per step (5 ms of a 220 ms step of the bench's GPT
+on one CPU core). Where nobody can hold the ``.grad`` being replaced, the copy is not needed:
+``.grad`` becomes the buffer's view of that gradient, and the bucket lays out a new buffer for
+the next step (:meth:`Bucket.results`). Nobody holds it when the parameter has no ``.grad``,
+or when autograd made its ``.grad`` in this window: the parameter had none when the window's
+first forward ran (:meth:`Bucket.open_window`), as after ``zero_grad()``, whose default sets
+``.grad`` to ``None``. A ``.grad`` that was there before (``zero_grad(set_to_none=False)``, a
+tensor the user assigned and may keep) is written in place, as torch does, and so is one
+that is not contiguous (the view is; autograd's follows the parameter's layout) or that has
+a graph ([Note: gradients with a graph] in ``checks/graph_grads.py``).
+
+The values are the same bits either way, and the handed-over buffer belongs to the
+gradients alone from then on, so no later step writes into a ``.grad`` anyone kept. What a
+user can see: the ``.grad`` of one bucket's parameters share one storage, as with
+``gradient_as_bucket_view`` (``torch.save`` of one gradient writes the whole storage), and
+each step's ``.grad`` is a new tensor, as it is under torch DDP after ``zero_grad()``. Memory
+is torch's too: the buffer handed over replaces the gradients autograd made, which are freed.
 """
 
 from __future__ import annotations
@@ -52,19 +73,32 @@ class Bucket:
         self.params = list(params)
         self.as_view = as_view
         self.layouts = list(layouts) if layouts is not None else [None] * len(self.params)
+        self.shapes = [local(p).shape for p in self.params]
+        self.numels = [local(p).numel() for p in self.params]
+        # Slots whose .grad may become a view of the buffer: see [Note: handing the buffer over].
+        self.plain = [layout is None and not as_view for layout in self.layouts]
+        self.fresh = [False] * len(self.params)  # no .grad when the window opened: open_window
         device = self.params[0].device
-        n_flags = len(params)
-        n = spec.numel
-        self.buffer = torch.zeros(n + n_flags + tail_numel, dtype=spec.dtype, device=device)
-        self.grads = self.buffer[:n]
-        self.used_flags = self.buffer[n : n + n_flags]
-        self.tail = self.buffer[n + n_flags :]  # bucket 0 only: see [Note: bucket 0's tail]
-        self.views = [
-            self.buffer[off : off + local(p).numel()].view(local(p).shape)
-            for off, p in zip(spec.offsets, self.params, strict=True)
-        ]
+        n = spec.numel + len(params) + tail_numel
+        self._lay_out(torch.zeros(n, dtype=spec.dtype, device=device))
         self.work: Any = None  # the handle of this bucket's communication, once launched
         self.reset()
+
+    def _lay_out(self, buffer: torch.Tensor) -> None:
+        """Make ``buffer`` this bucket's: its gradients' views, used flags and tail."""
+        n, n_flags = self.spec.numel, len(self.params)
+        self.buffer = buffer
+        self.grads = buffer[:n]
+        self.used_flags = buffer[n : n + n_flags]
+        self.tail = buffer[n + n_flags :]  # bucket 0 only: see [Note: bucket 0's tail]
+        # The plan packs the gradients back to back (offsets are running sums of numels).
+        pieces = self.grads.split(self.numels)
+        self.views = [v.view(s) for v, s in zip(pieces, self.shapes, strict=True)]
+
+    def open_window(self, training: bool) -> None:
+        """A new accumulation window begins (its first grad-enabled forward): note which
+        parameters have no ``.grad`` now ([Note: handing the buffer over])."""
+        self.fresh = [p.grad is None for p in self.params]
 
     def reset(self) -> None:
         self.ready = [False] * len(self.params)
@@ -172,43 +206,35 @@ class Bucket:
 
     # -- out: the reduced gradients ----------------------------------------------------------
     def results(self, counts: Sequence[float]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Give every parameter used on some rank (``counts``) its reduced gradient; returns
-        the ``(destination, source)`` pairs that are copies, to be done in one batch."""
-        copies, fresh = [], []
+        """Give every parameter used on some rank (``counts``) its reduced gradient: the
+        buffer's view where it can be handed over, else a copy; returns the ``(destination,
+        source)`` pairs of the copies, to be done in one batch."""
+        copies, handed = [], []
         for slot, count in enumerate(counts):
             if count == 0:
                 continue  # unused on every rank: like one process, leave .grad as it was
-            if self.params[slot].grad is None and self.layouts[slot] is None and not self.as_view:
-                fresh.append(slot)
+            if self._can_hand_over(slot):
+                handed.append(slot)
                 continue
             copy = self.write_back(slot)
             if copy is not None:
                 copies.append(copy)
-        self._new_grads(fresh)
+        if handed:
+            for slot in handed:
+                self.params[slot].grad = self.views[slot]
+            # The copies' sources stay views of the old buffer, alive until they are done.
+            self._lay_out(torch.empty_like(self.buffer))  # written in full before each sum
         return copies
 
-    def _new_grads(self, slots: list[int]) -> None:
-        """Give each of ``slots`` (no ``.grad`` yet: after ``zero_grad(set_to_none=True)``,
-        i.e. nearly every step) a new gradient. One copy of the span of the buffer they cover,
-        each ``.grad`` a view of it, rather than a clone per parameter: on a GPU every clone
-        is a kernel launch, and these come after the step's one wait for the device, when
-        the device idles until the host queues more work. As with torch DDP's
-        ``gradient_as_bucket_view``, the gradients then share one storage (which
-        ``torch.save`` of a single gradient would write whole); a span mostly of other slots
-        is not copied for a few."""
-        if not slots:
-            return
-        offsets = self.spec.offsets
-        lo, hi = offsets[slots[0]], offsets[slots[-1]] + self.views[slots[-1]].numel()
-        if len(slots) == 1 or 2 * sum(self.views[s].numel() for s in slots) < hi - lo:
-            for slot in slots:
-                self.params[slot].grad = self.views[slot].clone()
-            return
-        span = self.buffer[lo:hi].clone()
-        for slot in slots:
-            view = self.views[slot]
-            start = offsets[slot] - lo
-            self.params[slot].grad = span[start : start + view.numel()].view(view.shape)
+    def _can_hand_over(self, slot: int) -> bool:
+        """Whether ``params[slot]`` can take the buffer's view as its ``.grad`` ([Note:
+        handing the buffer over])."""
+        if not self.plain[slot]:
+            return False
+        grad = self.params[slot].grad
+        if grad is None:
+            return True
+        return self.fresh[slot] and not grad.requires_grad and grad.is_contiguous()
 
     def write_back(self, slot: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Give ``params[slot]`` its reduced gradient; returns ``(destination, source)`` when
@@ -217,7 +243,7 @@ class Bucket:
         grad = param.grad
         if self.as_view:
             param.grad = view if layout is None else layout.wrap(view)
-        elif grad is None:  # a DTensor's: a plain one without .grad is given it by _new_grads
+        elif grad is None:  # a DTensor's: a plain one without .grad is handed the buffer
             assert layout is not None
             param.grad = layout.wrap(view.clone())
         elif layout is not None and not layout.matches(grad):
@@ -235,6 +261,26 @@ class AccumulatingBucket(Bucket):
     gradient rounded to the parameter's dtype. See [Note: main gradients] in ``main_grads.py``
     (no DTensor parameters, no ``gradient_as_bucket_view``: the wrapper refuses both).
     """
+
+    def open_window(self, training: bool) -> None:
+        """Zero the buffer for a new accumulation window, after moving the last reduction's
+        ``main_grad`` into a copy if the forward is an eval one ([Note: eval forwards keep main
+        gradients] in ``main_grads.py``)."""
+        if not training:
+            self._keep_main_grads()
+        self.grads.zero_()
+
+    def _keep_main_grads(self) -> None:
+        """Point every ``main_grad`` that is a view of the buffer at a copy of it: one copy of
+        the bucket's gradients, not one per parameter."""
+        copy = None
+        for slot, param in enumerate(self.params):
+            if getattr(param, "main_grad", None) is not self.views[slot]:
+                continue  # none yet, or already a copy
+            if copy is None:
+                copy = self.grads.clone()
+            offset, view = self.spec.offsets[slot], self.views[slot]
+            param.main_grad = copy[offset : offset + view.numel()].view(view.shape)  # type: ignore[attr-defined]
 
     def arrive(self, slot: int) -> None:
         self._mark_ready(slot)

@@ -143,6 +143,10 @@ class LeafBucket(AccumulatingBucket):
             for slot, v in enumerate(self.views)
         ])  # fmt: skip
 
+    def open_window(self, training: bool) -> None:
+        if self.main_grads:
+            super().open_window(training)
+
     def results(self, counts: Sequence[float]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         if self.main_grads:
             return super().results(counts)

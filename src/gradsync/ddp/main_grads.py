@@ -54,16 +54,12 @@ The refusal of a ``.grad`` changed after the reduction (torch's ``clip_grad_norm
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from gradsync.errors import UsageError
 from gradsync.mesh.dtensors import GradLayout
-
-if TYPE_CHECKING:
-    from gradsync.ddp.buckets import Bucket
 
 ACCUMULATING_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -107,30 +103,6 @@ def _check_wide_enough(dtype: torch.dtype, module: nn.Module) -> None:
                 "use a dtype every parameter's dtype promotes to (torch.float32 for a bf16 "
                 "or fp16 model)"
             )
-
-
-def start_window(buckets: Sequence[Bucket], training: bool) -> None:
-    """Zero the buckets for a new accumulation window, after moving the last reduction's
-    ``main_grad`` into a copy if the forward is an eval one ([Note: eval forwards keep main
-    gradients])."""
-    if not training:
-        for bucket in buckets:
-            _keep_main_grads(bucket)
-    torch._foreach_zero_([bucket.grads for bucket in buckets])
-
-
-def _keep_main_grads(bucket: Bucket) -> None:
-    """Point every ``main_grad`` that is a view of ``bucket`` at a copy of it: one copy of the
-    bucket's gradients, not one per parameter."""
-    copy = None
-    for slot, param in enumerate(bucket.params):
-        if getattr(param, "main_grad", None) is not bucket.views[slot]:
-            continue  # none yet, or already a copy
-        if copy is None:
-            copy = bucket.grads.clone()
-        offset, view = bucket.spec.offsets[slot], bucket.views[slot]
-        kept = copy[offset : offset + view.numel()].view(view.shape)
-        param.main_grad = kept  # type: ignore[attr-defined]
 
 
 def move_main_grads(params: Sequence[nn.Parameter], views: Sequence[torch.Tensor]) -> None:

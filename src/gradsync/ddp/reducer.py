@@ -32,7 +32,7 @@ from gradsync.ddp.checks.verdicts import (
 from gradsync.ddp.compat.torch_reducer import TorchReducerMethods
 from gradsync.ddp.launch import LaunchQueue
 from gradsync.ddp.leaf_buckets import LeafBucket, LeafSteps
-from gradsync.ddp.main_grads import move_main_grads, start_window
+from gradsync.ddp.main_grads import move_main_grads
 from gradsync.ddp.options import SyncOptions
 from gradsync.ddp.plan import BucketSpec
 from gradsync.ddp.reduction import Reduction
@@ -86,8 +86,6 @@ class Reducer(TorchReducerMethods):
         self.main_grads = options.main_grads  # see [Note: main gradients] in main_grads.py
         self.tail = step_tail(self.world_size, self.rank, timeline, len(specs))
         self.buckets = [self._bucket(b, spec) for b, spec in enumerate(specs)]
-        if self.buckets:
-            self.tail.bind(self.buckets[0].tail)
         self.location = {  # param index -> (bucket index, slot in bucket)
             i: (b, slot) for b, s in enumerate(specs) for slot, i in enumerate(s.param_indices)
         }
@@ -200,8 +198,9 @@ class Reducer(TorchReducerMethods):
         wrapper has refused a forward the reducer cannot take (step 4 of [Note: the forward
         protocol] in ``forward.py``)."""
         window = self.window
-        if self.main_grads and window.phase is Phase.UNPREPARED:  # a new accumulation window
-            start_window(self.buckets, training)  # an eval forward keeps main_grad: see there
+        if window.phase is Phase.UNPREPARED:  # a new accumulation window
+            for bucket in self.buckets:
+                bucket.open_window(training)
         active = self.world_size if num_active is None else num_active
         window.begin_forward(sync, training, active, by_world, self.watch.changes())
 
@@ -271,13 +270,13 @@ class Reducer(TorchReducerMethods):
         if not self.buckets:
             return
         if not contributes:
-            self.tail.write({})
+            self.tail.write(self.buckets[0].tail, {})
             return
         window = self.window
         flags = PARAMS_CHANGED * bool(window.changes) | NO_ITEMS * self.reduction.missing_count
         updates = self.watch.updates_since_wrapping()
         tag = StepTag(self.num_reductions, window.forwards, window.no_sync, updates, flags)
-        self.tail.write({
+        self.tail.write(self.buckets[0].tail, {
             tags.RIDER: tag.encode(),
             slots.RIDER: self.timeline.outgoing(len(self.specs)),  # the last interval, if any
         })  # fmt: skip

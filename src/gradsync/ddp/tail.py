@@ -18,9 +18,10 @@ riders registered::
 
 so this rank writes one contiguous slice per step (one zeroing, one copy). :class:`TailLayout`
 is the only place that knows these offsets: riders register a width, the bucket is built with
-:attr:`TailLayout.numel` extra values, the reducer writes a record per step with
-:meth:`TailLayout.write`, and the readout hands each rider back what every rank sent with
-:meth:`TailLayout.split`.
+:attr:`TailLayout.numel` extra values, the reducer writes a record per step into bucket 0's
+tail of that step with :meth:`TailLayout.write` (a new tensor most steps: [Note: handing the
+buffer over] in ``buckets.py``), and the readout hands each rider back what every rank sent
+with :meth:`TailLayout.split`.
 """
 
 from __future__ import annotations
@@ -51,11 +52,11 @@ class TailLayout:
         self.riders: dict[str, Rider] = {}
         self.width = 0  # values per rank: the riders' widths added up
         self.written: list[float] = []  # this rank's record as last written, on the host
-        self._tail: torch.Tensor | None = None
+        self.laid_out = False  # a record was written: the riders are fixed
 
     def register(self, name: str, width: int) -> Rider:
-        """Reserve ``width`` values per rank for ``name``; only before :meth:`bind`."""
-        if self._tail is not None:
+        """Reserve ``width`` values per rank for ``name``; only before the first :meth:`write`."""
+        if self.laid_out:
             raise RuntimeError(f"rider {name!r} registered after the tail was laid out")
         if name in self.riders or width < 0:
             raise ValueError(f"rider {name!r} registered twice, or with width {width}")
@@ -68,19 +69,14 @@ class TailLayout:
         """The tail's length in the bucket: every rank's record."""
         return self.width * self.world_size
 
-    def bind(self, tail: torch.Tensor) -> None:
-        """Lay the records out in ``tail`` (the end of bucket 0's buffer, :attr:`numel` long)."""
+    def write(self, tail: torch.Tensor, records: Mapping[str, Sequence[float] | None]) -> None:
+        """This rank's record for the coming sum, into ``tail`` (the end of bucket 0's buffer,
+        :attr:`numel` long), each rider's values by name. A rider left out or given ``None``
+        sends zeros, which its decoder reads as "nothing from this rank" (a rank that has
+        joined); every other rank's slots are zeroed."""
         if tail.numel() != self.numel:
             raise ValueError(f"bucket 0's tail holds {tail.numel()} values, not {self.numel}")
-        self._tail = tail
-        self._mine = tail[self.rank * self.width : (self.rank + 1) * self.width]
-        self.written = [0.0] * self.width
-
-    def write(self, records: Mapping[str, Sequence[float] | None]) -> None:
-        """This rank's record for the coming sum, each rider's values by name. A rider left out
-        or given ``None`` sends zeros, which its decoder reads as "nothing from this rank" (a
-        rank that has joined); every other rank's slots are zeroed."""
-        assert self._tail is not None, "write() before bind()"
+        self.laid_out = True
         values = [0.0] * self.width
         for name, record in records.items():
             if record is None:
@@ -90,7 +86,7 @@ class TailLayout:
                 raise ValueError(f"{name}: {len(record)} values, expected {rider.width}")
             values[rider.offset : rider.offset + rider.width] = record
         self.written = values
-        self._tail.zero_()
+        tail.zero_()
         if not any(values):
             return
         # To a GPU from pinned memory with a non-blocking copy: a plain host-to-device copy
@@ -98,9 +94,10 @@ class TailLayout:
         # one each step, not a buffer kept and rewritten: the last step's copy from it may
         # still be queued, and torch's pinned-memory cache does not hand a block out again
         # until the copies queued from it have run (as ``Bucket.write_used_flags`` does).
-        cuda = self._tail.is_cuda
-        host = torch.tensor(values, dtype=self._tail.dtype, pin_memory=cuda)
-        self._mine.copy_(host, non_blocking=cuda)
+        cuda = tail.is_cuda
+        host = torch.tensor(values, dtype=tail.dtype, pin_memory=cuda)
+        mine = tail[self.rank * self.width : (self.rank + 1) * self.width]
+        mine.copy_(host, non_blocking=cuda)
 
     def split(self, tail: Sequence[float]) -> dict[str, list[float]]:
         """Each rider's values of every rank, rank after rank, from the summed ``tail``."""
