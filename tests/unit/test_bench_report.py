@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from gradsync.bench import plots, report, steptime
+from gradsync.bench.steptime import FORWARD_AND_STEP
 from gradsync.testing.netns import PAYLOAD_FRACTION
 
 
@@ -28,6 +29,24 @@ def test_overlap_efficiency_spans_no_overlap_to_limit() -> None:
     assert report.overlap_efficiency(1.2, 0.6, 0.4) == pytest.approx(-0.5)
     # Symmetric in which side dominates: comm-bound steps use the same formula.
     assert report.overlap_efficiency(0.7, 0.4, 0.6) == pytest.approx(0.75)
+
+
+def test_the_limit_keeps_the_forward_and_the_optimizer_step_out_of_the_overlap() -> None:
+    # compute 0.6 s of which 0.2 s forward and step, comm 0.5 s: the backward (0.4 s) hides at
+    # most 0.4 s of it, so no step is under 0.7 s (max(compute, comm) would say 0.6 s).
+    assert report.step_limit(0.6, 0.5, 0.2) == pytest.approx(0.7)
+    assert report.step_limit(0.6, 0.5) == pytest.approx(0.6)
+    assert report.step_limit(0.6, 0.3, 0.2) == pytest.approx(0.6)  # compute-bound: compute
+    assert report.overlap_efficiency(0.7, 0.6, 0.5, 0.2) == pytest.approx(1.0)
+    assert report.overlap_efficiency(0.9, 0.6, 0.5, 0.2) == pytest.approx(0.5)
+    result = fake_result(1000.0)
+    result["step_s"][FORWARD_AND_STEP] = [0.3, 0.3, 0.3]  # comm 0.4 s: limit 0.3 + 0.4
+    rows = {r.name: r for r in report.variant_rows(result)}
+    assert rows["gradsync default"].limit == pytest.approx(0.7)
+    assert rows["gradsync default"].efficiency == pytest.approx(1.0)
+    numbers = dict((what, text) for what, _, text in report.targets(result))
+    text = numbers["gradsync default <= 0.85x torch DDP default (round by round)"]
+    assert text.endswith("its limit 0.875x)"), text  # 0.7 s of torch DDP's 0.8 s
 
 
 def test_overlap_efficiency_is_undefined_without_communication() -> None:

@@ -1,15 +1,19 @@
 """Turn ``gradsync bench`` results into numbers that mean something: tables, targets, plots.
 
-A step that overlaps communication with compute can take no less than ``max(compute, comm)``
-(the limit) and, with no overlap at all, takes ``compute + comm``. Where a measured step falls
-between the two is the overlap efficiency::
+A step's gradients can only be communicated while the backward makes them: not during the
+forward, before they exist, nor during the optimizer step, which needs them all. So a step
+takes no less than ``forward_and_step + max(backward, comm)`` (the limit; ``max(compute,
+comm)`` in results without the forward's own time) and, with no overlap at all, ``compute +
+comm``. Where a measured step falls between the two is the overlap efficiency::
 
     efficiency = (no_overlap - step) / (no_overlap - limit)
 
 1.0: the step is at the limit; 0.0: nothing was hidden; negative: slower than doing the two one
 after the other (contention for the CPUs, per-call latency). ``compute`` is the ``local``
-variant (same model and batch, no communication) and ``comm`` the replay of each variant's own
-all-reduces with no compute, both medians from the same interleaved rounds as the steps.
+variant (same model and batch, no communication), ``forward_and_step`` the same replica's step
+without its backward (``FORWARD_AND_STEP`` in ``steptime.py``, ``backward = compute -
+forward_and_step``) and ``comm`` the replay of each variant's own all-reduces with no compute,
+all medians from the same interleaved rounds as the steps.
 
 Bus bandwidth follows the NCCL-tests convention: a ring all-reduce of ``B`` bytes over ``N``
 ranks moves ``2(N-1)/N * B`` bytes over every link direction, so it needs at least that many
@@ -25,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gradsync.bench import wire
+from gradsync.bench.steptime import FORWARD_AND_STEP
 from gradsync.bench.variant import DEFAULT_CAP
 from gradsync.testing.netns import PAYLOAD_FRACTION
 
@@ -54,13 +59,22 @@ def ring_bound_s(nbytes: float, world: int, payload_bytes_per_s: float) -> float
     return ring_factor(world) * nbytes / payload_bytes_per_s
 
 
-def overlap_efficiency(step: float, compute: float, comm: float) -> float | None:
+def step_limit(compute: float, comm: float, forward_and_step: float | None = None) -> float:
+    """The least a step can take: its forward and optimizer step, and the longer of its
+    backward and its communication (``max(compute, comm)`` without ``forward_and_step``)."""
+    fixed = min(forward_and_step or 0.0, compute)
+    return fixed + max(compute - fixed, comm)
+
+
+def overlap_efficiency(
+    step: float, compute: float, comm: float, forward_and_step: float | None = None
+) -> float | None:
     """Share of the ideal saving that ``step`` recovers; ``None`` when there is none to recover.
 
     With no communication (or no compute) limit and sum coincide and the ratio is undefined.
     """
     no_overlap = compute + comm
-    limit = max(compute, comm)
+    limit = step_limit(compute, comm, forward_and_step)
     if no_overlap - limit <= 0:
         return None
     return (no_overlap - step) / (no_overlap - limit)
@@ -107,10 +121,11 @@ class VariantRow:
     comm: float
     compute: float
     efficiency: float | None
+    forward_and_step: float | None = None
 
     @property
     def limit(self) -> float:
-        return max(self.compute, self.comm)
+        return step_limit(self.compute, self.comm, self.forward_and_step)
 
     @property
     def no_overlap(self) -> float:
@@ -139,6 +154,7 @@ def variant_rows(result: dict[str, Any]) -> list[VariantRow]:
     """Every variant's row; the ``local`` one (compute only) has ``comm == 0``."""
     step_s, comm_s = result["step_s"], result["comm_s"]
     compute = statistics.median(step_s[_kind_name(result, "local")])
+    fixed = statistics.median(step_s[FORWARD_AND_STEP]) if FORWARD_AND_STEP in step_s else None
     torch_times = step_s[_kind_name(result, "torch_ddp")]
     torch_step = statistics.median(torch_times)
     rows = []
@@ -159,7 +175,8 @@ def variant_rows(result: dict[str, Any]) -> list[VariantRow]:
                 num_calls=len(result["comm_bytes"].get(v["name"], [])),
                 comm=comm,
                 compute=compute,
-                efficiency=overlap_efficiency(step, compute, comm) if comm > 0 else None,
+                efficiency=overlap_efficiency(step, compute, comm, fixed) if comm > 0 else None,
+                forward_and_step=fixed,
             )
         )
     return rows
@@ -246,9 +263,11 @@ def bucket_targets(
     if row is None or not fixed:
         return []
     best = min(fixed, key=lambda r: r.step)
+    torch_step = row.step / row.ratio_to_torch
     return [
         (f"{who} <= 0.85x torch DDP default (round by round)", row.paired_to_torch <= 0.85,
-         f"{row.paired_to_torch:.3f}x (medians: {row.ratio_to_torch:.3f}x)"),
+         f"{row.paired_to_torch:.3f}x (medians: {row.ratio_to_torch:.3f}x; its limit "
+         f"{row.limit / torch_step:.3f}x)"),
         (f"{who} within 3% of the fastest fixed cap", row.step <= 1.03 * best.step,
          f"{row.step / best.step:.3f}x {best.name}; {plan or 'its plan not recorded'}"),
     ]  # fmt: skip
@@ -289,7 +308,7 @@ def step_table(result: dict[str, Any]) -> str:
     """Markdown table of one setting: medians, ratio to torch DDP, the bounds, efficiency."""
     lines = [
         "| variant | step (ms) | p25-p75 | vs torch DDP | round by round | all-reduces "
-        "| comm only (ms) | limit max(c,m) | no overlap c+m | overlap eff. |",
+        "| comm only (ms) | limit f+max(b,m) | no overlap c+m | overlap eff. |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in variant_rows(result):

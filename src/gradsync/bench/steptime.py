@@ -125,6 +125,30 @@ def make_step_tasks(
     return tasks, {name: model for name, (model, _, _) in built.items()}
 
 
+FORWARD_AND_STEP = "compute: forward and optimizer step"
+"""A task timed with the local variant's replica: the part of a step that no communication of
+its gradients can overlap (they do not exist before the backward, and the optimizer needs them
+all), so that ``forward and step + max(backward, communication)`` bounds every variant's step
+from below (:func:`gradsync.bench.report.floor`)."""
+
+
+def forward_and_step_task(rank: int, cfg: StepTimeConfig, model: nn.Module) -> Callable[[], None]:
+    """The forward (graph recorded and dropped, as a training forward records it) and an
+    optimizer step on the ``.grad`` the local variant's last step left: ``model``'s step without
+    its backward. Every rank draws the batch of :func:`make_step_tasks`."""
+    g = torch.Generator().manual_seed(rank)
+    shape = (cfg.batch_per_rank, cfg.block_size)
+    x = torch.randint(0, cfg.vocab_size, shape, generator=g).to(_device(cfg))
+    y = torch.randint(0, cfg.vocab_size, shape, generator=g).to(_device(cfg))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+
+    def run() -> None:
+        lm_loss(model(x), y)
+        opt.step()
+
+    return run
+
+
 def round_order(names: list[str], r: int) -> list[str]:
     """The order of round ``r`` in :func:`time_interleaved`: ``names`` shuffled by a generator
     seeded with ``r``, the same on every rank."""

@@ -43,10 +43,13 @@ from torch import nn
 
 import gradsync
 from gradsync.bench import wire
+from gradsync.bench.replay import COMM_PREFIX, FLAT, comm_plan, comm_tasks
 from gradsync.bench.steptime import (
     DEFAULT_NAME,
+    FORWARD_AND_STEP,
     StepTimeConfig,
     Variant,
+    forward_and_step_task,
     make_step_tasks,
     num_parameters,
     time_interleaved,
@@ -57,8 +60,6 @@ from gradsync.ddp.plan import SCALED
 from gradsync.testing.busbw import allreduce_times
 
 MIB = 2**20
-COMM_PREFIX = "comm|"
-FLAT = "flat (all gradient bytes, 1 call)"
 DEFAULT_CAPS: tuple[float, ...] = (0.0, 1.0, 5.0, 25.0, 100.0, math.inf)
 
 
@@ -103,54 +104,6 @@ def wrapper_defaults() -> dict[str, Any]:
     }
 
 
-def comm_plan(variant: Variant, model: nn.Module) -> list[int]:
-    """Element counts of the all-reduces one step of ``variant`` issues, in launch order.
-
-    gradsync: its planned buckets, each with the one used-flag element per parameter that rides
-    along (see ``gradsync.ddp.reducer``). torch DDP: the bucket sizes it rebuilt in gradient-ready
-    order, which it uses from its third step on and reports in its logging data only after that
-    step, so call this after three steps. ``average_gradients``: one call per trainable parameter.
-    """
-    if variant.kind in ("local", "gradsync_auto", *wire.WIRE_KINDS):
-        return []  # no replay: a wire format's collectives depend on the data, auto's plan
-        # is chosen after the steps this runs after
-    if variant.kind == "naive":
-        return [p.numel() for p in model.parameters() if p.requires_grad]
-    if variant.kind == "gradsync":
-        assert isinstance(model, gradsync.DistributedDataParallel)
-        return [s.numel + len(s.param_indices) for s in model.bucket_specs]
-    if variant.kind == "torch_ddp":
-        assert isinstance(model, torch.nn.parallel.DistributedDataParallel)
-        data = model._get_ddp_logging_data()
-        if "rebuilt_bucket_sizes" not in data:
-            raise RuntimeError("torch DDP has not rebuilt its buckets yet; run 3 steps first")
-        sizes = str(data["rebuilt_bucket_sizes"])
-        elem = next(model.module.parameters()).element_size()
-        return [int(b) // elem for b in sizes.split(",")]
-    raise ValueError(f"unknown variant kind {variant.kind!r}")
-
-
-def comm_task(numels: Sequence[int], dtype: torch.dtype, blocking: bool) -> Callable[[], None]:
-    """All-reduce buffers of ``numels`` elements the way a step does, without any compute.
-
-    ``blocking``: one call after the other, as ``average_gradients`` does; otherwise all are
-    launched asynchronously and then waited for, as the bucketed reducers launch theirs.
-    """
-    buffers = [torch.zeros(n, dtype=dtype) for n in numels]
-
-    def run() -> None:
-        if blocking:
-            for b in buffers:
-                dist.all_reduce(b)
-            return
-        works = [dist.all_reduce(b, async_op=True) for b in buffers]
-        for w in works:
-            assert w is not None
-            w.wait()
-
-    return run
-
-
 def time_allreduce(
     sizes_bytes: Sequence[int], iters: int, warmup: int, on_size: Callable[[], None]
 ) -> list[dict[str, Any]]:
@@ -193,13 +146,10 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
     progress.advance("built models, 3 untimed steps")
     dtype = next(models[cfg.variants[0].name].parameters()).dtype
     plans = {v.name: comm_plan(v, models[v.name]) for v in cfg.variants if v.kind != "local"}
-    tasks = dict(steps)
-    for v in cfg.variants:
-        if plans.get(v.name):
-            tasks[COMM_PREFIX + v.name] = comm_task(plans[v.name], dtype, v.kind == "naive")
-    grad_numel = sum(p.numel() for p in models[cfg.variants[0].name].parameters())
-    tasks[COMM_PREFIX + FLAT] = comm_task([grad_numel], dtype, blocking=True)
-    plans[FLAT] = [grad_numel]
+    local = next(v.name for v in cfg.variants if v.kind == "local")
+    tasks = {**steps, FORWARD_AND_STEP: forward_and_step_task(rank, cfg, models[local])}
+    tasks.update(comm_tasks(cfg.variants, plans, dtype, models[local]))
+    grad_numel = plans[FLAT][0]
 
     times = time_interleaved(
         tasks,
