@@ -235,8 +235,9 @@ def targets(result: dict[str, Any]) -> list[tuple[str, bool | None, str]]:
         )
     if result.get("rate_mbit"):
         auto = next((r for r in rows if r.kind == "gradsync_auto"), None)
-        out += bucket_targets("gradsync default", default, rows, result.get("default_plan"))
-        out += bucket_targets("gradsync auto", auto, rows, result.get("auto_plan"))
+        limit = link_limit(result)
+        out += bucket_targets("gradsync default", default, rows, result.get("default_plan"), limit)
+        out += bucket_targets("gradsync auto", auto, rows, result.get("auto_plan"), limit)
     at = [b for b in busbw_rows(result) if b.size_bytes == TARGET_BUSBW_BYTES]
     if at and at[0].ratio is not None:
         out.append(
@@ -254,11 +255,21 @@ def fixed_caps(rows: Sequence[VariantRow]) -> list[VariantRow]:
     return [r for r in rows if r.kind == "gradsync" and not isinstance(r.bucket_cap_mb, str)]
 
 
+def link_limit(result: dict[str, Any]) -> float:
+    """The least any step of this setting can take: the limit (module docstring) with every
+    gradient byte sent in one all-reduce, the fastest way over the link (``flat_comm``)."""
+    step_s = result["step_s"]
+    compute = statistics.median(step_s[_kind_name(result, "local")])
+    fixed = statistics.median(step_s[FORWARD_AND_STEP]) if FORWARD_AND_STEP in step_s else None
+    return step_limit(compute, flat_comm(result)[1], fixed)
+
+
 def bucket_targets(
-    who: str, row: VariantRow | None, rows: Sequence[VariantRow], plan: str | None
+    who: str, row: VariantRow | None, rows: Sequence[VariantRow], plan: str | None, limit: float
 ) -> list[tuple[str, bool, str]]:
     """The issue's bucket targets for ``row`` (gradsync's default or "auto", whose plan was
-    ``plan``) against torch DDP and the fastest fixed cap of the same run; none without it."""
+    ``plan``) against torch DDP and the fastest fixed cap of the same run; none without it.
+    ``limit``: :func:`link_limit`, which the first target's numbers state as a ratio too."""
     fixed = fixed_caps(rows)
     if row is None or not fixed:
         return []
@@ -266,8 +277,8 @@ def bucket_targets(
     torch_step = row.step / row.ratio_to_torch
     return [
         (f"{who} <= 0.85x torch DDP default (round by round)", row.paired_to_torch <= 0.85,
-         f"{row.paired_to_torch:.3f}x (medians: {row.ratio_to_torch:.3f}x; its limit "
-         f"{row.limit / torch_step:.3f}x)"),
+         f"{row.paired_to_torch:.3f}x (medians: {row.ratio_to_torch:.3f}x; no step on this "
+         f"link under {limit / torch_step:.3f}x)"),
         (f"{who} within 3% of the fastest fixed cap", row.step <= 1.03 * best.step,
          f"{row.step / best.step:.3f}x {best.name}; {plan or 'its plan not recorded'}"),
     ]  # fmt: skip
