@@ -227,7 +227,10 @@ def test_results_hand_the_buffer_over_and_write_a_kept_gradient_in_place() -> No
     ]  # written in place from the summed buffer, in the caller's batch
     for slot in (0, 2):  # no .grad: each becomes the summed buffer's view, no copy
         assert _is_view_of(bucket.params[slot].grad, summed, offsets[slot])
-    assert bucket.buffer.data_ptr() != summed.data_ptr()  # the next step's is a new buffer
+    assert bucket.views == [] and bucket.buffer.numel() == 0  # none until claim()
+    del copies
+    bucket.claim()  # the gradients still hold the summed buffer: new memory
+    assert bucket.buffer.data_ptr() != summed.data_ptr()
     assert bucket.views[0].data_ptr() == bucket.buffer.data_ptr()
     assert bucket.tail.numel() == 0 and bucket.used_flags.numel() == 3
     bucket.grads.fill_(7.0)  # the next step cannot reach the gradients handed over
@@ -236,6 +239,25 @@ def test_results_hand_the_buffer_over_and_write_a_kept_gradient_in_place() -> No
         assert torch.equal(
             bucket.params[slot].grad, torch.arange(28.0)[o : o + bucket.numels[slot]]
         )
+
+
+def test_a_buffer_no_gradient_refers_to_is_taken_back() -> None:
+    bucket, summed = _summed_bucket()
+    bucket.results([1, 1, 1])
+    for p in bucket.params:  # as zero_grad() does
+        p.grad = None
+    bucket.claim()
+    assert bucket.buffer.data_ptr() == summed.data_ptr()  # the same memory, laid out again
+    assert [v.data_ptr() for v in bucket.views] == [
+        summed.data_ptr() + o * 4 for o in bucket.spec.offsets
+    ]
+    bucket.results([1, 1, 1])
+    held = bucket.params[2].grad.view(-1)  # a view of a gradient, kept after zero_grad()
+    for p in bucket.params:
+        p.grad = None
+    bucket.claim()
+    assert bucket.buffer.data_ptr() != summed.data_ptr()  # would write into what is held
+    assert held.data_ptr() == summed.data_ptr() + bucket.spec.offsets[2] * 4
 
 
 def test_only_a_gradient_autograd_made_in_the_window_is_handed_over() -> None:

@@ -152,6 +152,12 @@ class LeafBucket(AccumulatingBucket):
             return super().results(counts)
         return Bucket.results(self, counts)
 
+    def _hand_over(self) -> None:
+        # Leaves under no_sync() read the views between reductions: a buffer at once, which
+        # is new memory (the gradients just took the old one).
+        super()._hand_over()
+        self.claim()
+
     def write_back(self, slot: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         if self.main_grads:
             return super().write_back(slot)

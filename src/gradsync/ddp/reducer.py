@@ -124,11 +124,7 @@ class Reducer(TorchReducerMethods):
 
     @classmethod
     def succeed(
-        cls,
-        old: Reducer,
-        specs: Sequence[BucketSpec],
-        *,
-        comm_hook: CommHook | None = None,
+        cls, old: Reducer, specs: Sequence[BucketSpec], *, comm_hook: CommHook | None = None
     ) -> Reducer:
         """A reducer of ``old``'s parameters, options, watch and reduction with other buckets
         (and comm hook, if given); building it retires ``old``. Only between optimizer steps.
@@ -253,9 +249,7 @@ class Reducer(TorchReducerMethods):
         self.window.start_reduction()
         self.queue.scale = self._pre_division()
         self.deadline.begin(f"the gradient reduction of step {self.num_reductions}")
-        self.leaf_steps.begin_reduction(contributes=True)
-        self._write_tail(contributes=True)
-        self.reduction.start_item_exchange(contributes=True)
+        self._begin_reduction(contributes=True)
         # Runs once the whole backward pass has finished, on the engine's thread.
         torch.autograd.Variable._execution_engine.queue_callback(
             self.finish_gradient_synchronization
@@ -264,6 +258,15 @@ class Reducer(TorchReducerMethods):
     def _pre_division(self) -> float | None:
         ranks = self.world_size if self.window.by_world else self.window.num_active
         return self.reduction.pre_division(ranks, self.comm_hook.divides_by)
+
+    def _begin_reduction(self, contributes: bool) -> None:
+        """What every reduction starts with, a join round's too: each bucket takes a buffer back
+        ([Note: handing the buffer over] in ``buckets.py``), then this rank's tail goes in."""
+        for bucket in self.buckets:
+            bucket.claim()
+        self.leaf_steps.begin_reduction(contributes=contributes)
+        self._write_tail(contributes)
+        self.reduction.start_item_exchange(contributes=contributes)
 
     def _write_tail(self, contributes: bool) -> None:
         """This rank's records in bucket 0's tail; a rank that has joined sends none."""
@@ -300,9 +303,7 @@ class Reducer(TorchReducerMethods):
         """
         self.window.shadow(num_active, by_world, self.watch.changes())
         self.deadline.begin(f"a join round (step {self.num_reductions}, out of data)")
-        self.leaf_steps.begin_reduction(contributes=False)
-        self._write_tail(contributes=False)
-        self.reduction.start_item_exchange(contributes=False)
+        self._begin_reduction(contributes=False)
         self._complete(shadow=True, write_back=write_back)
 
     # -- end of backward: launch the rest, wait, read, check, write back ----------------------

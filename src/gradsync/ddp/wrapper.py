@@ -363,7 +363,7 @@ class DistributedDataParallel(TorchSurface, TorchDDP):  # type: ignore[override,
             sharded=self._sharded is not None, auto=self.bucket_tuner is not None,
             deterministic=self.options.deterministic is not None,
         )  # fmt: skip
-        numels = [b.grads.numel() for b in self.reducer.buckets]
+        numels = [b.spec.numel for b in self.reducer.buckets]
         adapter = torch_hooks.register(state, hook, self._deadline, numels, facts)
         self._replace_reducer(self.reducer.specs, comm_hook=adapter)
         self._torch_hook = hook
