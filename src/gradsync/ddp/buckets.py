@@ -21,18 +21,20 @@ untouched, exactly as single-process training would.
 Once a bucket is summed, torch DDP copies each reduced gradient out of the bucket into
 ``.grad``: a pass over every gradient byte per step (5 ms of a 220 ms step of the bench's GPT
 on one CPU core). Where nobody can hold the ``.grad`` being replaced, the copy is not needed:
-``.grad`` becomes the buffer's view of that gradient, and the bucket keeps no view of it
-(:meth:`Bucket.results`). When the next reduction begins, the bucket takes a buffer back
-(:meth:`Bucket.claim`): the same memory if no gradient refers to it any more, as after
-``zero_grad()``, else new memory. Reusing it matters on a CPU, where a large buffer of new
-memory costs a page fault per 4 KiB on its first write (a 50 MB bucket made the step 7 % slower
-than copying). Nobody holds it when the parameter has no ``.grad``,
-or when autograd made its ``.grad`` in this window: the parameter had none when the window's
-first forward ran (:meth:`Bucket.open_window`), as after ``zero_grad()``, whose default sets
-``.grad`` to ``None``. A ``.grad`` that was there before (``zero_grad(set_to_none=False)``, a
-tensor the user assigned and may keep) is written in place, as torch does, and so is one
-that is not contiguous (the view is; autograd's follows the parameter's layout) or that has
-a graph ([Note: gradients with a graph] in ``checks/graph_grads.py``).
+``.grad`` becomes the buffer's view of that gradient (:meth:`Bucket.results`). Nobody holds it
+when the parameter has no ``.grad``, or when autograd made its ``.grad`` in this window: the
+parameter had none when the window's first forward ran (:meth:`Bucket.open_window`), as after
+``zero_grad()``, whose default sets ``.grad`` to ``None``. A ``.grad`` that was there before
+(``zero_grad(set_to_none=False)``, a tensor the user assigned and may keep) is written in
+place, as torch does, and so is one that is not contiguous (the view is; autograd's follows the
+parameter's layout) or that has a graph ([Note: gradients with a graph] in
+``checks/graph_grads.py``).
+
+The bucket keeps no view of a buffer it handed over. When the next reduction begins, it takes
+a buffer back (:meth:`Bucket.claim`): the same memory if no gradient refers to it any more, as
+after ``zero_grad()``, else new memory. Reusing it matters on a CPU, where a large buffer of
+new memory costs a page fault per 4 KiB on its first write (one 50 MB bucket made the step 7 %
+slower than copying).
 
 The values are the same bits either way, and the handed-over buffer belongs to the
 gradients alone from then on, so no later step writes into a ``.grad`` anyone kept. What a
