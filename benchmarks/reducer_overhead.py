@@ -2,7 +2,7 @@
 
     torchrun --nproc-per-node 2 benchmarks/reducer_overhead.py --steps 200
 
-Four replicas of the same GPT train side by side on each of 2 gloo ranks, on the same batches,
+Five replicas of the same GPT train side by side on each of 2 gloo ranks, on the same batches,
 one step each per round in an order shuffled every round (the same on every rank):
 
 - ``torch DDP``: torch's reducer, hooks and copies in C++, on the default group;
@@ -12,14 +12,19 @@ one step each per round in an order shuffled every round (the same on every rank
   default group;
 - ``bare, own group``: the same on a group of its own, as gradsync's collectives run on its
   private group (``failfast/group.py``);
-- ``gradsync``: the wrapper with its defaults.
+- ``gradsync``: the wrapper with its defaults;
+- ``bare, hand over``: ``bare`` giving each ``.grad`` the summed buffer's view and taking new
+  memory for the next step, instead of copying back: what torch DDP's copy out of the bucket
+  costs (gradsync hands its buffers over and takes them back: [Note: handing the buffer over]
+  in ``gradsync/ddp/buckets.py``).
 
 So ``bare`` minus ``torch DDP`` is what Python hooks cost, ``bare, own group`` minus ``bare``
-what a second gloo group costs, and ``gradsync`` minus ``bare, own group`` what gradsync's own
-bookkeeping costs (deadlines, step tags and timings in bucket 0's tail, step checks, the step
-window). The four replicas must end with the same parameters, bit for bit (each sum on two
-ranks is ``a + b``), which is checked before anything is printed. Rank 0 prints the median of
-each step and of its forward, backward and optimizer step, in milliseconds.
+what a second gloo group costs, ``bare`` minus ``bare, hand over`` what the copy back costs, and
+``gradsync`` minus ``bare, hand over`` what gradsync's own bookkeeping costs (deadlines, step
+tags and timings in bucket 0's tail, step checks, the step window). The five replicas must end
+with the same parameters, bit for bit (each sum on two ranks is ``a + b``), which is checked
+before anything is printed. Rank 0 prints the median of each step and of its forward, backward
+and optimizer step, in milliseconds.
 """
 
 from __future__ import annotations
@@ -46,10 +51,14 @@ class BareReducer(nn.Module):
     """Data-parallel gradients in the fewest lines: torch DDP's algorithm, none of its checks."""
 
     def __init__(
-        self, module: nn.Module, specs: list[BucketSpec], group: dist.ProcessGroup | None
+        self,
+        module: nn.Module,
+        specs: list[BucketSpec],
+        group: dist.ProcessGroup | None,
+        hand_over: bool = False,
     ) -> None:
         super().__init__()
-        self.module, self.group = module, group
+        self.module, self.group, self.hand_over, self.specs = module, group, hand_over, specs
         params = list(module.parameters())
         self.buckets = [[params[i] for i in spec.param_indices] for spec in specs]
         self.buffers = [torch.empty(spec.numel) for spec in specs]
@@ -89,6 +98,14 @@ class BareReducer(nn.Module):
     def _finish(self) -> None:
         for work in self.works:
             work.wait()
+        if self.hand_over:
+            for n, (spec, params) in enumerate(zip(self.specs, self.buckets, strict=True)):
+                for view, p in zip(self.views[n], params, strict=True):
+                    p.grad = view
+                buf = self.buffers[n] = torch.empty(spec.numel)
+                self.views[n] = [buf[o : o + p.numel()].view_as(p)
+                                 for p, o in zip(params, spec.offsets, strict=True)]  # fmt: skip
+            return
         grads = [p.grad for ps in self.buckets for p in ps]
         torch._foreach_copy_(grads, [v for vs in self.views for v in vs])  # type: ignore[arg-type]
 
@@ -116,6 +133,7 @@ def main() -> None:
         "bare": BareReducer(gpt(), ours.bucket_specs, None),
         "bare, own group": BareReducer(gpt(), ours.bucket_specs, own_group),
         "gradsync": ours,
+        "bare, hand over": BareReducer(gpt(), ours.bucket_specs, None, hand_over=True),
     }
     optimizers = {k: torch.optim.SGD(m.module.parameters(), lr=1e-4) for k, m in models.items()}
     g = torch.Generator().manual_seed(rank)
