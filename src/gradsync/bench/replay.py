@@ -69,15 +69,14 @@ def comm_task(numels: Sequence[int], dtype: torch.dtype, blocking: bool) -> Call
 
 
 def comm_tasks(
-    variants: Sequence[Variant], plans: dict[str, list[int]], dtype: torch.dtype, model: nn.Module
+    variants: Sequence[Variant], plans: dict[str, list[int]], dtype: torch.dtype
 ) -> dict[str, Callable[[], None]]:
-    """Communication alone: each variant's own all-reduces (``plans``) replayed, and one
-    all-reduce of every gradient byte of ``model``, which joins ``plans`` as ``FLAT``."""
+    """Communication alone: each variant's own all-reduces (``plans``) replayed, and the one
+    all-reduce of every gradient byte (``plans[FLAT]``), made one call after the other."""
     tasks = {
         COMM_PREFIX + v.name: comm_task(plans[v.name], dtype, v.kind == "naive")
         for v in variants
         if plans.get(v.name)
     }
-    plans[FLAT] = [sum(p.numel() for p in model.parameters())]
     tasks[COMM_PREFIX + FLAT] = comm_task(plans[FLAT], dtype, blocking=True)
     return tasks

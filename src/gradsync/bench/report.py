@@ -150,11 +150,19 @@ def _kind_name(result: dict[str, Any], kind: str) -> str:
     return next(v["name"] for v in result["variants"] if v["kind"] == kind)
 
 
+def _compute_times(result: dict[str, Any]) -> tuple[float, float | None]:
+    """Medians of compute alone and of its forward and optimizer step (``None`` in results
+    without them)."""
+    step_s = result["step_s"]
+    compute = statistics.median(step_s[_kind_name(result, "local")])
+    fixed = statistics.median(step_s[FORWARD_AND_STEP]) if FORWARD_AND_STEP in step_s else None
+    return compute, fixed
+
+
 def variant_rows(result: dict[str, Any]) -> list[VariantRow]:
     """Every variant's row; the ``local`` one (compute only) has ``comm == 0``."""
     step_s, comm_s = result["step_s"], result["comm_s"]
-    compute = statistics.median(step_s[_kind_name(result, "local")])
-    fixed = statistics.median(step_s[FORWARD_AND_STEP]) if FORWARD_AND_STEP in step_s else None
+    compute, fixed = _compute_times(result)
     torch_times = step_s[_kind_name(result, "torch_ddp")]
     torch_step = statistics.median(torch_times)
     rows = []
@@ -258,9 +266,7 @@ def fixed_caps(rows: Sequence[VariantRow]) -> list[VariantRow]:
 def link_limit(result: dict[str, Any]) -> float:
     """The least any step of this setting can take: the limit (module docstring) with every
     gradient byte sent in one all-reduce, the fastest way over the link (``flat_comm``)."""
-    step_s = result["step_s"]
-    compute = statistics.median(step_s[_kind_name(result, "local")])
-    fixed = statistics.median(step_s[FORWARD_AND_STEP]) if FORWARD_AND_STEP in step_s else None
+    compute, fixed = _compute_times(result)
     return step_limit(compute, flat_comm(result)[1], fixed)
 
 

@@ -94,6 +94,15 @@ def _device(cfg: StepTimeConfig) -> torch.device:
     return torch.device(cfg.device)
 
 
+def rank_batch(rank: int, cfg: StepTimeConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's tokens and targets, the same every call (seeded by rank)."""
+    g = torch.Generator().manual_seed(rank)
+    shape = (cfg.batch_per_rank, cfg.block_size)
+    x = torch.randint(0, cfg.vocab_size, shape, generator=g).to(_device(cfg))
+    y = torch.randint(0, cfg.vocab_size, shape, generator=g).to(_device(cfg))
+    return x, y
+
+
 def make_step_tasks(
     rank: int, cfg: StepTimeConfig
 ) -> tuple[dict[str, Callable[[], None]], dict[str, nn.Module]]:
@@ -104,10 +113,7 @@ def make_step_tasks(
     Every rank draws its own batch (seeded by rank), as data-parallel ranks do.
     """
     built = {v.name: _build(v, cfg) for v in cfg.variants}
-    g = torch.Generator().manual_seed(rank)
-    shape = (cfg.batch_per_rank, cfg.block_size)
-    x = torch.randint(0, cfg.vocab_size, shape, generator=g).to(_device(cfg))
-    y = torch.randint(0, cfg.vocab_size, shape, generator=g).to(_device(cfg))
+    x, y = rank_batch(rank, cfg)
 
     def step_of(name: str) -> Callable[[], None]:
         model, module, after_backward = built[name]
@@ -129,17 +135,14 @@ FORWARD_AND_STEP = "compute: forward and optimizer step"
 """A task timed with the local variant's replica: the part of a step that no communication of
 its gradients can overlap (they do not exist before the backward, and the optimizer needs them
 all), so that ``forward and step + max(backward, communication)`` bounds every variant's step
-from below (:func:`gradsync.bench.report.floor`)."""
+from below (:func:`gradsync.bench.report.step_limit`)."""
 
 
 def forward_and_step_task(rank: int, cfg: StepTimeConfig, model: nn.Module) -> Callable[[], None]:
     """The forward (graph recorded and dropped, as a training forward records it) and an
     optimizer step on the ``.grad`` the local variant's last step left: ``model``'s step without
-    its backward. Every rank draws the batch of :func:`make_step_tasks`."""
-    g = torch.Generator().manual_seed(rank)
-    shape = (cfg.batch_per_rank, cfg.block_size)
-    x = torch.randint(0, cfg.vocab_size, shape, generator=g).to(_device(cfg))
-    y = torch.randint(0, cfg.vocab_size, shape, generator=g).to(_device(cfg))
+    its backward, on the batch of :func:`make_step_tasks`."""
+    x, y = rank_batch(rank, cfg)
     opt = torch.optim.SGD(model.parameters(), lr=1e-4)
 
     def run() -> None:

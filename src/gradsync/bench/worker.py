@@ -148,8 +148,9 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
     plans = {v.name: comm_plan(v, models[v.name]) for v in cfg.variants if v.kind != "local"}
     local = next(v.name for v in cfg.variants if v.kind == "local")
     tasks = {**steps, FORWARD_AND_STEP: forward_and_step_task(rank, cfg, models[local])}
-    tasks.update(comm_tasks(cfg.variants, plans, dtype, models[local]))
-    grad_numel = plans[FLAT][0]
+    grad_numel = sum(p.numel() for p in models[local].parameters())
+    plans[FLAT] = [grad_numel]
+    tasks.update(comm_tasks(cfg.variants, plans, dtype))
 
     times = time_interleaved(
         tasks,

@@ -19,9 +19,9 @@ riders registered::
 so this rank writes one contiguous slice per step (one zeroing, one copy). :class:`TailLayout`
 is the only place that knows these offsets: riders register a width, the bucket is built with
 :attr:`TailLayout.numel` extra values, the reducer writes a record per step into bucket 0's
-tail of that step with :meth:`TailLayout.write` (a new tensor most steps: [Note: handing the
-buffer over] in ``buckets.py``), and the readout hands each rider back what every rank sent
-with :meth:`TailLayout.split`.
+tail of that step with :meth:`TailLayout.write` (bucket 0 lays its buffer out again after
+handing it over: [Note: handing the buffer over] in ``buckets.py``), and the readout hands
+each rider back what every rank sent with :meth:`TailLayout.split`.
 """
 
 from __future__ import annotations
