@@ -2,9 +2,10 @@
 
 A refactor must change no behaviour. This script trains a tiny 3-layer MLP (float32, 316
 parameters, fixed seeds) for 6 steps on 2 gloo ranks, each rank on its own data shard, under
-each of 18 settings of the wrapper (bucket caps, reductions, unused parameters, wire formats,
-the ring, fp32 main gradients of a bf16 model, check_finite, ZeRO-1, torch's comm hooks,
-no_sync accumulation, join with uneven data), and saves rank 0's final parameters per setting
+each of 20 settings of the wrapper (bucket caps, "auto" included, reductions, unused
+parameters, wire formats, the ring, fp32 main gradients of a bf16 model, check_finite, ZeRO-1,
+torch's comm hooks, no_sync accumulation, join with uneven data, the deterministic mode), and
+saves rank 0's final parameters per setting
 (``torch.save`` of ``{setting: {name: tensor}}``; after checking that rank 1's are bitwise the
 same). Run it on the code before and after the change, then compare the two files:
 
@@ -16,7 +17,7 @@ same). Run it on the code before and after the change, then compare the two file
 included) or the largest absolute difference, and exits 1 if any setting differs. Two runs of
 the same code give identical files. The settings run one after the other in the same two rank
 processes (one thread each; starting processes costs more than training on a loaded machine);
-``--isolated`` starts fresh ones for each setting (the same bits, 18x the start-up time), to
+``--isolated`` starts fresh ones for each setting (the same bits, 20x the start-up time), to
 tell which setting hangs or crashes. ``--settings NAME ...`` runs only those (``--list``).
 
 ``bucket_cap_mb=None`` is the default cap (torch's 25 MiB on these two ranks of one host), so
@@ -68,6 +69,8 @@ SETTINGS: dict[str, tuple[dict[str, Any], str]] = {
     "register_comm_hook(powerSGD_hook)": ({}, "powersgd_hook"),
     "no_sync,2 micro-batches": ({}, "no_sync"),
     "join(opt),uneven data": ({}, "join"),
+    "bucket_cap_mb=auto": ({"bucket_cap_mb": "auto"}, "plain"),
+    "deterministic=4,2 leaves a rank": ({"deterministic": 4}, "leaves"),
 }
 
 
@@ -88,10 +91,11 @@ class Mlp(nn.Module):
 
 
 def batches(rank: int, mode: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """This rank's micro-batches: its own shard, 2 per step with ``no_sync``, one step fewer on
+    """This rank's micro-batches: its own shard, 2 per step with ``no_sync`` (and in the
+    deterministic mode, where each is a leaf), one step fewer on
     rank 1 with ``join``; with ``item_mean`` 0-2 labels per batch are padding."""
     g = torch.Generator().manual_seed(1000 + rank)
-    count = STEPS * (2 if mode == "no_sync" else 1) - (rank == 1 and mode == "join")
+    count = STEPS * (2 if mode in ("no_sync", "leaves") else 1) - (rank == 1 and mode == "join")
     out = []
     for i in range(count):
         x, y = torch.randn(BATCH, 8, generator=g), torch.randint(0, 4, (BATCH,), generator=g)
@@ -138,7 +142,7 @@ def train(rank: int, world: int, name: str) -> dict[str, torch.Tensor]:
         loss.backward()
 
     data = batches(rank, mode)
-    if mode == "no_sync":
+    if mode in ("no_sync", "leaves"):
         for step in range(STEPS):
             opt.zero_grad()
             with ddp.no_sync():

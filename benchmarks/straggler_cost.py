@@ -55,7 +55,7 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import gradsync
 from gradsync.bench.steptime import round_order
-from gradsync.ddp.tail import TailLayout
+from gradsync.ddp.tail import GivenRider, TailLayout
 from gradsync.testing.gpt import GPT, GPTConfig, lm_loss
 from gradsync.testing.spawn import spawn
 from gradsync.timing import RankStep, StepTimeline, Thresholds
@@ -216,8 +216,7 @@ def micro(num_buckets: int, every: int, repeats: int) -> list[tuple[str, float, 
 
     for world in (3, 64):
         width = 1 + len(PHASES) + num_buckets
-        tail = TailLayout(world, 1)
-        tail.register(timing_slots.RIDER, width)
+        tail = TailLayout(world, 1, [GivenRider(timing_slots.RIDER, width)])
         values = torch.zeros(width * world, dtype=torch.float64)
         record = _records(1, num_buckets, rng)[0]
 
@@ -244,8 +243,7 @@ def micro(num_buckets: int, every: int, repeats: int) -> list[tuple[str, float, 
 
     for world in (3, 64):
         tl = StepTimeline(every, 0, world, torch.device("cpu"))
-        tail = TailLayout(world, 0)  # as the reducer lays out bucket 0's tail
-        tail.register(timing_slots.RIDER, tl.width(num_buckets))
+        tail = TailLayout(world, 0, tl.riders(num_buckets))  # as the reducer lays it out
         values = torch.zeros(tail.numel, dtype=torch.float64)
         steps = [_records(world, num_buckets, rng) for _ in range(50)]
         flats = [[v for r_ in recs if r_ is not None for v in (1.0, *r_.phases, *r_.launches)]
@@ -259,7 +257,7 @@ def micro(num_buckets: int, every: int, repeats: int) -> list[tuple[str, float, 
             rec_ = tl.recorder
             rec_.forward_began()
             rec_.forward_ended()
-            tail.write(values, {timing_slots.RIDER: tl.outgoing(num_buckets)})
+            tail.write(values, i)  # the timeline's rider encodes its own record
             for b in range(num_buckets - 1, -1, -1):
                 rec_.launched(b)
             rec_.backward_ended()

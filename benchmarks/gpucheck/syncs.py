@@ -37,7 +37,7 @@ import torch
 from gradsync.comm.powersgd import PowerSGDHook
 from gradsync.ddp import owners
 from gradsync.ddp.checks import readout
-from gradsync.ddp.tail import TailLayout
+from gradsync.ddp.tail import GivenRider, TailLayout
 
 from .common import ERROR, FAIL, MET, MISSED, PASS, Check, Context, device_of, job_error, run_job
 from .modes import BY_SLUG, Run
@@ -220,8 +220,7 @@ HOLD_CYCLES = 200_000_000
 
 def tail_in_flight(device: torch.device) -> dict[str, Any]:
     """What a device-side copy queued between two writes of bucket 0's tail saw."""
-    layout = TailLayout(world_size=2, rank=0)
-    layout.register("record", len(FIRST))
+    layout = TailLayout(world_size=2, rank=0, riders=[GivenRider("record", len(FIRST))])
     tail = torch.zeros(layout.numel, device=device)
     cuda = device.type == "cuda"
     held = None

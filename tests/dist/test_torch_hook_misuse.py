@@ -91,11 +91,11 @@ def groups() -> dict[str, bool]:
     for name, state in (("none", None), ("world", dist.group.WORLD)):
         ddp = wrap(tiny())
         ddp.register_comm_hook(state, default_hooks.allreduce_hook)
-        out[name] = ddp.reducer.comm_hook.state is ddp._deadline.group  # type: ignore[attr-defined]
+        out[name] = ddp.reducer.comm_hook.state is ddp.reducer.deadline.group
     ddp = wrap(tiny())
     powersgd = psgd.PowerSGDState(None, matrix_approximation_rank=1, start_powerSGD_iter=2)
     ddp.register_comm_hook(powersgd, psgd.powerSGD_hook)
-    out["powersgd"] = powersgd.process_group is ddp._deadline.group
+    out["powersgd"] = powersgd.process_group is ddp.reducer.deadline.group
     return out
 
 

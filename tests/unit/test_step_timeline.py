@@ -16,7 +16,7 @@ from torch import nn
 import gradsync
 from gradsync.ddp.checks import tags
 from gradsync.ddp.checks.tags import StepTag
-from gradsync.ddp.tail import TailLayout
+from gradsync.ddp.tail import GivenRider, TailLayout
 from gradsync.timing import PHASES, RankStep, StepTimeline, Thresholds, slots
 from gradsync.timing.attribution import attribute, describe, metrics
 from gradsync.timing.phases import PhaseRecorder
@@ -179,23 +179,25 @@ def test_slots_carry_each_ranks_record_and_nothing_for_the_others(dtype: torch.d
     records = [RankStep((1.0, 20.0, 30.5, 2.0, 4.0), (3.0, 9.0)), None, RankStep((1e6,) * 5)]
     step_tags = [StepTag(7, 2, 1, 130, 3), None, StepTag(7, 2, 1, 130, 0)]
     summed = torch.zeros(world * (tags.NUM_FIELDS + width), dtype=dtype)
+    riders = [GivenRider(tags.RIDER, tags.NUM_FIELDS), GivenRider(slots.RIDER, width)]
     for rank, (record, tag) in enumerate(zip(records, step_tags, strict=True)):
-        tail = TailLayout(world, rank)
-        tail.register(tags.RIDER, tags.NUM_FIELDS)
-        tail.register(slots.RIDER, width)
+        tail = TailLayout(world, rank, riders)
         values = torch.full((tail.numel,), 5.0, dtype=dtype)  # stale: write() zeroes it
-        tail.write(values, {
-            tags.RIDER: tag.encode() if tag is not None else None,
-            slots.RIDER: encode(record, buckets) if record is not None else None,
-        })  # fmt: skip
+        tail.write(
+            values,
+            {
+                tags.RIDER: tag.encode() if tag is not None else None,
+                slots.RIDER: encode(record, buckets) if record is not None else None,
+            },
+        )
         summed += values
-    riders = tail.split(summed.double().tolist())
-    assert tags.decode(riders[tags.RIDER], world) == [
+    riders_read = tail.read(summed.double().tolist())
+    assert tags.decode(riders_read[tags.RIDER], world) == [
         StepTag(7, 2, 1, 130 % tags.MODULUS, 3),
         None,
         StepTag(7, 2, 1, 130 % tags.MODULUS, 0),
     ]
-    got = decode(riders[slots.RIDER], world)
+    got = decode(riders_read[slots.RIDER], world)
     assert got[1] is None
     assert got[0] is not None and got[2] is not None
     assert got[0].phases == pytest.approx(records[0].phases, rel=1e-2)
@@ -204,24 +206,22 @@ def test_slots_carry_each_ranks_record_and_nothing_for_the_others(dtype: torch.d
     assert max(got[2].phases) <= LIMIT_MS * 1.01  # clamped to what fp16 holds
 
 
-def test_the_tail_is_laid_out_once_and_refuses_what_does_not_fit() -> None:
-    tail = TailLayout(world_size=2, rank=1)
-    first, second = tail.register("a", 2), tail.register("b", 3)
-    assert (first.offset, second.offset, tail.width, tail.numel) == (0, 2, 5, 10)
+def test_the_tail_lays_riders_out_in_order_and_refuses_what_does_not_fit() -> None:
     with pytest.raises(ValueError, match="twice"):
-        tail.register("a", 1)
+        TailLayout(2, 1, [GivenRider("a", 1), GivenRider("a", 2)])
+    tail = TailLayout(world_size=2, rank=1, riders=[GivenRider("a", 2), GivenRider("b", 3)])
+    assert (tail.offsets, tail.width, tail.numel) == ([0, 2], 5, 10)
     with pytest.raises(ValueError, match="holds 9 values"):
         tail.write(torch.zeros(9), {})
     values = torch.zeros(10)
-    tail.write(values, {})
-    with pytest.raises(RuntimeError, match="after the tail was laid out"):
-        tail.register("c", 1)
     with pytest.raises(ValueError, match="expected 3"):
         tail.write(values, {"b": [1.0]})
     tail.write(values, {"b": [1.0, 2.0, 3.0]})  # rank 1's record: the second half, after its "a"
     assert values.tolist() == [0.0] * 7 + [1.0, 2.0, 3.0]
     assert tail.written == [0.0, 0.0, 1.0, 2.0, 3.0]
-    assert tail.split(values.tolist()) == {"a": [0.0] * 4, "b": [0.0] * 3 + [1.0, 2.0, 3.0]}
+    assert tail.read(values.tolist()) == {"a": [0.0] * 4, "b": [0.0] * 3 + [1.0, 2.0, 3.0]}
+    tail.write(values, None)  # a rank that has joined: zeros from it too
+    assert values.tolist() == [0.0] * 10
 
 
 def _record(forward: float, data: float = 2.0, launch: float = 10.0) -> RankStep:

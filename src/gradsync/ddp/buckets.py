@@ -352,3 +352,12 @@ class AccumulatingBucket(Bucket):
             param.grad = view.to(param.dtype, copy=True)
             return None
         return param.grad, view
+
+
+def write_back(buckets: Sequence[Bucket], counts: list[list[float]]) -> None:
+    """Every bucket's reduced gradients to ``.grad`` (``counts``: the summed used flags, per
+    bucket and slot), the copies in one call instead of one per parameter."""
+    copies = [c for b, n in zip(buckets, counts, strict=True) for c in b.results(n)]
+    if copies:  # unrecorded: [Note: gradients with a graph] in checks/graph_grads.py
+        with torch.no_grad():
+            torch._foreach_copy_([dst for dst, _ in copies], [src for _, src in copies])

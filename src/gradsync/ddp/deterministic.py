@@ -28,8 +28,10 @@ per forward cannot pair up across ranks. So in this mode no forward broadcasts b
 with buffers needs ``broadcast_buffers=False``: buffers that training changes, BatchNorm's
 running statistics, then depend on which leaves a rank ran and are outside the guarantee), and
 inside ``join()`` the handshake runs once per step, at each rank's synchronised forward (its
-last leaf), after the collectives of a step's first forward (the first-batch fingerprint, the
-replica check), so that every rank issues them in the same order.
+last leaf: ``LeafMode.handshake_each_forward`` in ``leaves.py``). It comes after the
+collectives of a step's first forward (the first-batch fingerprint, the replica check) in
+either mode ([Note: the forward protocol]), so every rank issues them in the same order
+whether its first and last leaf are one forward or two.
 
 Refused, naming why: lossy wires (``compression=``; they round partial sums), another
 ``algorithm=`` and torch comm hooks (they choose the summation order), ``bucket_cap_mb="auto"``
@@ -130,3 +132,12 @@ def refuse_mesh(mesh_axes: tuple[str, ...], layouts: Sequence[object]) -> None:
             "leaves are micro-batches of the data-parallel axis, and context- or "
             "tensor-parallel contributions to a gradient are summed in an order of their own"
         )
+
+
+def refuse_sharding() -> None:
+    """``shard_optimizer()`` in the deterministic mode: refused."""
+    raise UsageError(
+        "shard_optimizer() cannot be combined with deterministic=: clipping by the norm "
+        "of the sharded gradients adds per-rank slices, an order that depends on the "
+        "world size; use a replicated optimizer (or MasterWeights)"
+    )

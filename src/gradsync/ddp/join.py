@@ -32,10 +32,9 @@ divided by the whole world size unless ``divide_by_initial_world_size=False``.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -51,32 +50,37 @@ from gradsync.errors import GradsyncError, UsageError
 from gradsync.failfast.deadline import Deadline
 
 
-@dataclass(frozen=True)
-class JoinRounds:
-    """What the wrapper gives the protocol: its current reducer, its buffer broadcast, and
-    how every rank takes the final state at the end."""
+class Rounds(Protocol):
+    """What a join acts on: the wrapper's state (``state.py``), as the protocol sees it."""
 
-    reducer: Callable[[], Reducer]
-    broadcast_buffers: Callable[[], None]
-    take_final_state: Callable[[], None]
+    reducer: Reducer
+
+    def broadcast_buffers(self, src: int = 0) -> None: ...
+
+    def take_final_state(self) -> None: ...
 
 
 class JoinProtocol:
     """The handshake (one all-reduce of three int64 per training forward), and whether this
     wrapper is inside a join: ``model.join(optimizer)`` or torch's ``Join``."""
 
-    def __init__(self, deadline: Deadline, joinable: Joinable, rounds: JoinRounds) -> None:
-        self.deadline, self.joinable, self.rounds = deadline, joinable, rounds
+    def __init__(self, deadline: Deadline, handshake_each_forward: bool = True) -> None:
+        self.deadline = deadline
+        self.handshake_each_forward = handshake_each_forward  # the mode's: see due()
         self.rounds_active = 0  # handshakes this rank answered with data
         self.rounds_served = 0  # rounds of the others' steps this rank stepped in without data
         self.stepping = False  # inside model.join(optimizer)
         self.divides_by_world = False  # torch's Join(divide_by_initial_world_size=True)
 
-    @property
-    def joining(self) -> bool:
+    def joining(self, joinable: Joinable) -> bool:
         """Inside ``model.join(optimizer)``, or inside torch's ``Join`` (which enables the
-        wrapper's ``_join_config``)."""
-        return self.stepping or self.joinable._join_config.enable
+        ``_join_config`` of ``joinable``, the wrapper)."""
+        return self.stepping or joinable._join_config.enable
+
+    def due(self, sync: bool) -> bool:
+        """Whether a training forward with ``sync`` answers the handshake: every one, or in the
+        deterministic mode the synchronised ones ([Note: leaves and join])."""
+        return sync or self.handshake_each_forward
 
     def handshake(self, active: bool, sync: bool, broadcast: bool) -> tuple[int, bool, bool]:
         """(ranks still active, will they reduce, will they broadcast buffers) for this round."""
@@ -98,7 +102,7 @@ class JoinProtocol:
         num_active, _, _ = self.handshake(True, sync, broadcast)
         return num_active
 
-    def serve_round(self, optimizer: torch.optim.Optimizer | None) -> bool:
+    def serve_round(self, state: Rounds, optimizer: torch.optim.Optimizer | None) -> bool:
         """Answer one round of the active ranks' collectives; ``False`` once none is active.
         Without an ``optimizer`` the reduced gradients are not applied here (torch's Join)."""
         self.deadline.begin(WAITING)
@@ -106,12 +110,12 @@ class JoinProtocol:
         if num_active == 0:
             return False
         if broadcasting:
-            self.rounds.broadcast_buffers()
+            state.broadcast_buffers()
         if syncing:
             if optimizer is not None:
                 optimizer.zero_grad()
             write_back = optimizer is not None
-            self.rounds.reducer().shadow_backward(num_active, write_back, self.divides_by_world)
+            state.reducer.shadow_backward(num_active, write_back, self.divides_by_world)
             if optimizer is not None:
                 optimizer.step()
                 # As the loop's zero_grad() after its step: gradients left in .grad would be
@@ -124,6 +128,8 @@ class JoinProtocol:
 
     def join(
         self,
+        state: Rounds,
+        joinable: Joinable,
         optimizer: torch.optim.Optimizer | None,
         divide_by_initial_world_size: bool,
         enable: bool,
@@ -147,19 +153,21 @@ class JoinProtocol:
         """
         if optimizer is None:
             return Join(
-                [self.joinable], enable, throw_on_early_termination,
+                [joinable],
+                enable,
+                throw_on_early_termination,
                 divide_by_initial_world_size=divide_by_initial_world_size,
-            )  # fmt: skip
+            )
         if not callable(getattr(optimizer, "step", None)):
             raise UsageError(
                 f"join() takes the optimizer whose steps a waiting rank repeats, got "
                 f"{type(optimizer).__name__}; torch DDP's arguments are keyword-only here, e.g. "
                 "join(divide_by_initial_world_size=False)"
             )
-        return self._stepping(optimizer)
+        return self._stepping(state, optimizer)
 
     @contextmanager
-    def _stepping(self, optimizer: torch.optim.Optimizer) -> Iterator[None]:
+    def _stepping(self, state: Rounds, optimizer: torch.optim.Optimizer) -> Iterator[None]:
         """``model.join(optimizer)``: answer every round of the others after this rank's loop
         ends, then take the final state."""
         self.rounds_active, self.rounds_served, self.stepping = 0, 0, True
@@ -173,22 +181,24 @@ class JoinProtocol:
             self.deadline.record_error(error)
             raise error from exc
         try:
-            while self.serve_round(optimizer):
+            while self.serve_round(state, optimizer):
                 pass
-            params = self.rounds.reducer().params
+            params = state.reducer.params
             warn_if_served_rounds_differ(self.deadline, optimizer, self.rounds_served, params)
-            self.rounds.take_final_state()
+            state.take_final_state()
         except GradsyncError as exc:
             self.deadline.record_error(exc)  # so that a peer's error can quote this verdict
             raise
         finally:
             self.stepping = False
 
-    def torch_hook(self, divide_by_initial_world_size: bool = True) -> JoinHook:
-        """The hook torch's ``Join`` drives: torch counts the active ranks with its own
-        all-reduce, so each ``main_hook`` answers exactly one round."""
+    def torch_hook(
+        self, state: Rounds, joinable: Joinable, divide_by_initial_world_size: bool = True
+    ) -> JoinHook:
+        """The hook torch's ``Join`` drives for ``joinable``: torch counts the active ranks with
+        its own all-reduce, so each ``main_hook`` answers exactly one round."""
         self.rounds_active, self.divides_by_world = 0, bool(divide_by_initial_world_size)
-        return _TorchJoinHook(self)
+        return _TorchJoinHook(self, state, joinable)
 
     def authoritative_rank(self) -> int:
         """A rank that was active in the last round (the highest such): its state is final."""
@@ -203,15 +213,17 @@ class JoinProtocol:
 
 
 class _TorchJoinHook(JoinHook):
-    def __init__(self, protocol: JoinProtocol) -> None:
-        self.protocol = protocol
+    """Held by torch's ``Join`` for the length of one context."""
+
+    def __init__(self, protocol: JoinProtocol, state: Rounds, joinable: Joinable) -> None:
+        self.protocol, self.state, self.joinable = protocol, state, joinable
 
     def main_hook(self) -> None:
-        self.protocol.serve_round(None)
+        self.protocol.serve_round(self.state, None)
 
     def post_hook(self, is_last_joiner: bool) -> None:
         # Leaving torch's Join (on every rank): its config back to disabled, so later forwards
         # outside the context do not handshake.
-        Joinable.__init__(self.protocol.joinable)
+        Joinable.__init__(self.joinable)
         self.protocol.divides_by_world = False
-        self.protocol.rounds.take_final_state()
+        self.state.take_final_state()

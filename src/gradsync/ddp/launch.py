@@ -18,8 +18,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import torch
+
 from gradsync.comm import CommHook
 from gradsync.ddp.buckets import Bucket
+from gradsync.failfast.deadline import Deadline
 from gradsync.timing.ranges import span
 
 
@@ -54,6 +57,18 @@ class LaunchQueue:
                     bucket.fill_late(slot, self.scale, zeros=zeros)
         self._launch_ready(used)
         assert self.next == len(self.buckets)
+
+    def wait_all(self, deadline: Deadline, step: str, host_deadline: bool) -> None:
+        """Wait for every bucket's reduction, in index order, under ``deadline``; on CUDA
+        without a host deadline, then for the device too, before the readout's host read."""
+        for bucket in self.buckets:
+            assert bucket.work is not None
+            what = f"the all-reduce of bucket {bucket.spec.index} ({step})"
+            deadline.wait(bucket.work, what, host_deadline=host_deadline)
+        if not host_deadline and deadline.world_size > 1:
+            done = torch.cuda.Event()
+            done.record()
+            deadline.wait_device(done, f"the gradient reduction of {step}")
 
     def reset(self) -> None:
         for bucket in self.buckets:

@@ -18,12 +18,9 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from gradsync.comm.hook import CommHook
 from gradsync.comm.tree import Node, TreeFold
-from gradsync.comm.tree_exchange import TreeExchange
 from gradsync.ddp.buckets import AccumulatingBucket, Bucket
 from gradsync.ddp.plan import BucketSpec
-from gradsync.failfast.deadline import Deadline
 
 
 class LeafBucket(AccumulatingBucket):
@@ -167,70 +164,3 @@ class LeafBucket(AccumulatingBucket):
 def _add_lists(left: list[torch.Tensor], right: list[torch.Tensor]) -> list[torch.Tensor]:
     torch._foreach_add_(left, right)  # addition commutes: in place is left + right, bit for bit
     return left
-
-
-class NoLeaves:
-    """The reducer's leaf bookkeeping outside the deterministic mode: none."""
-
-    on = False
-
-    def end_leaf_with_backward(self) -> None:
-        pass
-
-    def begin_reduction(self, contributes: bool) -> None:
-        pass
-
-    def total(self) -> int | None:
-        return None
-
-    def finish(self) -> None:
-        pass
-
-
-class LeafSteps(NoLeaves):
-    """The reducer's leaf bookkeeping in the deterministic mode: its :class:`LeafBucket` s and
-    the :class:`~gradsync.comm.tree_exchange.TreeExchange` they travel by."""
-
-    on = True
-
-    def __init__(
-        self, buckets: Sequence[LeafBucket], exchange: TreeExchange, deadline: Deadline
-    ) -> None:
-        self.buckets, self.exchange, self.deadline = list(buckets), exchange, deadline
-
-    @classmethod
-    def of(cls, buckets: Sequence[Bucket], hook: CommHook, deadline: Deadline) -> NoLeaves:
-        """The bookkeeping of ``buckets``: none unless they are leaf buckets."""
-        if not isinstance(hook, TreeExchange):
-            return NoLeaves()
-        assert all(isinstance(b, LeafBucket) for b in buckets)
-        return cls(buckets, hook, deadline)  # type: ignore[arg-type]
-
-    def end_leaf_with_backward(self) -> None:
-        """Under ``no_sync()``: the leaf whose backward runs ends with it (an engine callback)."""
-        torch.autograd.Variable._execution_engine.queue_callback(self._end_leaf)
-
-    def _end_leaf(self) -> None:
-        for bucket in self.buckets:
-            bucket.end_leaf()
-
-    def begin_reduction(self, contributes: bool) -> None:
-        """The step's reduction begins: with this rank's last leaf (``contributes``) or, in a
-        join round, with none more. Starts the exchange of every rank's leaf count."""
-        if not self.buckets:
-            return
-        for bucket in self.buckets:
-            bucket.contributes = contributes
-        leaves_here = self.buckets[0].leaves_done + int(contributes)
-        what = "every rank's leaf count of this step"
-        wait = lambda work: self.deadline.wait(work, what)  # noqa: E731
-        self.exchange.begin_step(leaves_here, self.buckets[0].buffer.device, wait)
-
-    def total(self) -> int | None:
-        """The step's leaves, over all ranks (after the first bucket was launched)."""
-        layout = self.exchange.layout
-        assert layout is not None
-        return layout.total
-
-    def finish(self) -> None:
-        self.exchange.finish()

@@ -9,7 +9,8 @@ setting is one field here, with its docstring, read where it matters.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
 from datetime import timedelta
 from typing import Any
 
@@ -120,6 +121,16 @@ class SyncOptions:
                 "matrices and error feedback are kept per bucket and would be lost when the plan "
                 "switches; pass a numeric bucket_cap_mb"
             )
+
+    @classmethod
+    def of(cls, arguments: Mapping[str, Any], **resolved: Any) -> SyncOptions:
+        """The options among a constructor's ``arguments`` (each field by its name), with the
+        values ``resolved`` from torch's arguments in their place: a new setting is a field
+        here and a keyword of the wrapper's of the same name."""
+        names = {f.name for f in fields(cls)}
+        return cls(
+            **{n: v for n, v in arguments.items() if n in names and n not in resolved}, **resolved
+        )
 
     @property
     def all_reduce(self) -> AllReduceAlgorithm:

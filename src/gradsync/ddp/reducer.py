@@ -8,21 +8,19 @@ bucket 0's tail] in ``tail.py``).
 
 from __future__ import annotations
 
-import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 from torch.utils.hooks import RemovableHandle
 
 from gradsync.comm import CommHook
-from gradsync.comm.tree import leaf_range
 from gradsync.ddp import owners
-from gradsync.ddp.buckets import AccumulatingBucket, Bucket
-from gradsync.ddp.checks import tags
+from gradsync.ddp.buckets import AccumulatingBucket, Bucket, write_back
 from gradsync.ddp.checks.graph_grads import check_graph_grads, is_graph_grad
 from gradsync.ddp.checks.param_watch import ParameterWatch
 from gradsync.ddp.checks.readout import read_step, unused_somewhere
-from gradsync.ddp.checks.tags import NO_ITEMS, PARAMS_CHANGED, StepTag
+from gradsync.ddp.checks.tags import TagRider
 from gradsync.ddp.checks.verdicts import (
     StepContext,
     gradient_twice,
@@ -30,127 +28,133 @@ from gradsync.ddp.checks.verdicts import (
     judge,
 )
 from gradsync.ddp.compat.torch_reducer import TorchReducerMethods
+from gradsync.ddp.hooks import hook_parameters
 from gradsync.ddp.launch import LaunchQueue
-from gradsync.ddp.leaf_buckets import LeafBucket, LeafSteps
 from gradsync.ddp.main_grads import move_main_grads
 from gradsync.ddp.options import SyncOptions
 from gradsync.ddp.plan import BucketSpec
 from gradsync.ddp.reduction import Reduction
-from gradsync.ddp.tail import step_tail
+from gradsync.ddp.tail import Rider, TailLayout
 from gradsync.ddp.window import Phase, StepWindow
 from gradsync.errors import GradsyncError, NonFiniteGradientError, ProtocolError
 from gradsync.failfast.deadline import Deadline
 from gradsync.mesh.dtensors import GradLayout
 from gradsync.optim.master import stamp_grads
-from gradsync.timing import StepTimeline, slots
+from gradsync.timing import StepTimeline
 from gradsync.timing.ranges import span
+from gradsync.timing.slots import RIDER
+
+
+class ReducerPlan(NamedTuple):
+    """What a reducer is laid out by, besides its parameters and group (``build.py``)."""
+
+    specs: list[BucketSpec]
+    sizes: list[tuple[int, torch.dtype]]  # each parameter's gradient as the buckets hold it
+    cap_mb: float | None  # the bucket cap the specs were planned with (MiB)
+    comm_hook: CommHook
+    reduction: Reduction
 
 
 class Reducer(TorchReducerMethods):
     """Owns the buckets, the hooks and the per-step state of gradient synchronisation.
 
     It is the only writer of its state and of the current step window ([Note: the step
-    window] in ``window.py``): the wrapper tells it about each forward (:meth:`begin_forward`)
-    and each rank waiting in ``join()`` (:meth:`shadow_backward`); autograd hooks and the
-    end-of-backward callback do the rest.
+    window] in ``window.py``): the wrapper's state tells it about each forward
+    (:meth:`begin_forward`) and each rank waiting in ``join()`` (:meth:`shadow_backward`);
+    autograd hooks and the end-of-backward callback do the rest. One reducer serves a wrapper
+    for its whole life: a new bucket plan (:meth:`replan`) or a new group (:meth:`regroup`)
+    lays it out again in place. The deterministic mode is a subclass of its own
+    (``ddp/leaves.py``): the methods it overrides are the seam's points here.
     """
+
+    takes_grads: str | None = None  # why every .grad is taken into the buckets, if it is
+    compares_windows = True  # step tags compare the micro-batches per window ([Note: step tags])
 
     def __init__(
         self,
         watch: ParameterWatch,
-        specs: Sequence[BucketSpec],
+        plan: ReducerPlan,
         options: SyncOptions,
-        *,
         deadline: Deadline,
-        comm_hook: CommHook,
-        reduction: Reduction,
         timeline: StepTimeline,
         layouts: Sequence[GradLayout | None] = (),
     ) -> None:
+        self.options = options
+        self.main_grads = options.main_grads  # see [Note: main gradients] in main_grads.py
+        self._hooks: list[RemovableHandle] = []
+        self.retired = False  # a newer wrapper's reducer took the parameters over
+        self.retired_by: str | None = None
+        self.regroup(watch, plan, deadline, timeline, layouts)
+
+    def regroup(
+        self,
+        watch: ParameterWatch,
+        plan: ReducerPlan,
+        deadline: Deadline,
+        timeline: StepTimeline,
+        layouts: Sequence[GradLayout | None] = (),
+    ) -> None:
+        """Lay the reducer out for ``deadline``'s group, from step 0: at construction, and to go
+        on over a new group (``gradsync.recovery``, between steps) in the same object."""
         # named_parameters() yields a tied parameter once, so it is reduced once.
         trainable = [(n, p) for n, p in watch.named if p.requires_grad]
         self.names = [n for n, _ in trainable]
         self.params = [p for _, p in trainable]
-        self.specs = list(specs)
-        self.options = options
-        self.watch = watch
-        self.deadline = deadline
-        self.comm_hook = comm_hook
-        self.reduction = reduction
+        self.watch, self.deadline, self.reduction = watch, deadline, plan.reduction
         self.timeline, self.marks = timeline, timeline.recorder  # see [Note: step phases]
         # On CUDA a host-side wait blocks until the GPU is done; see Deadline.wait.
         self.host_deadline = not (bool(self.params) and self.params[0].is_cuda)
-        self.world_size = deadline.world_size
-        self.rank = deadline.rank
+        self.world_size, self.rank = deadline.world_size, deadline.rank
         self.layouts = list(layouts) or [None] * len(self.params)  # DTensors only
-        self.main_grads = options.main_grads  # see [Note: main gradients] in main_grads.py
-        self.tail = step_tail(self.world_size, self.rank, timeline, len(specs))
+        self.window = StepWindow(len(self.params), self.world_size)
+        self.num_reductions = 0  # completed synchronised backward passes, for tests and logs
+        # Parameters the first reduction found unused on some rank (see unused_last.py).
+        self.first_unused: tuple[int, ...] | None = None
+        owners.take_over(self)  # retires another wrapper's reducer that had them, if any
+        self._lay_out(plan.specs, plan.comm_hook)
+
+    def _lay_out(self, specs: Sequence[BucketSpec], comm_hook: CommHook) -> None:
+        """Buckets ``specs`` that travel by ``comm_hook``, and hooks that know their slots."""
+        self.specs, self.comm_hook = list(specs), comm_hook
+        riders: list[Rider] = [TagRider(), *self.timeline.riders(len(specs))]
+        self.tail = TailLayout(self.world_size, self.rank, riders)
         self.buckets = [self._bucket(b, spec) for b, spec in enumerate(specs)]
         self.location = {  # param index -> (bucket index, slot in bucket)
             i: (b, slot) for b, s in enumerate(specs) for slot, i in enumerate(s.param_indices)
         }
-        self.window = StepWindow(len(self.params), self.world_size)
-        self.retired = False  # a newer reducer (a new wrapper's, or a successor) took over
-        self.retired_by: str | None = None
-        self.queue = LaunchQueue(self.buckets, comm_hook, self.marks, options.check_finite)
-        self.leaf_steps = LeafSteps.of(self.buckets, comm_hook, deadline)  # deterministic mode
-        self.num_reductions = 0  # completed synchronised backward passes, for tests and logs
-        # Parameters the first reduction found unused on some rank (see unused_last.py).
-        self.first_unused: tuple[int, ...] | None = None
-        self._hooks = self._take_over_parameters()
+        self.queue = LaunchQueue(self.buckets, comm_hook, self.marks, self.options.check_finite)
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = hook_parameters(self, self.params, self.location)  # weakly: hooks.py
 
     def _bucket(self, b: int, spec: BucketSpec) -> Bucket:
-        options = self.options
         params = [self.params[i] for i in spec.param_indices]
         tail_numel = self.tail.numel if b == 0 else 0
-        if options.deterministic is not None:  # [Note: the fixed leaf tree] in comm/tree.py
-            first = leaf_range(options.deterministic, self.world_size, self.rank).start
-            return LeafBucket(spec, params, first, self.main_grads, tail_numel)
         kind = AccumulatingBucket if self.main_grads else Bucket
         return kind(
-            spec, params, as_view=options.gradient_as_bucket_view, tail_numel=tail_numel,
+            spec,
+            params,
+            as_view=self.options.gradient_as_bucket_view,
+            tail_numel=tail_numel,
             layouts=[self.layouts[i] for i in spec.param_indices],
-        )  # fmt: skip
+        )
 
-    def _take_over_parameters(self) -> list[RemovableHandle]:
-        owners.take_over(self)  # retires the reducer that had them, if any
-        # The hooks hold the reducer weakly: a parameter's hooks live in C++, where Python's
-        # garbage collector cannot see a cycle through them back to the module.
-        me = weakref.ref(self)
-        return [
-            p.register_post_accumulate_grad_hook(_grad_hook(me, i, *self.location[i]))
-            for i, p in enumerate(self.params)
-        ]
-
-    @classmethod
-    def succeed(
-        cls, old: Reducer, specs: Sequence[BucketSpec], *, comm_hook: CommHook | None = None
-    ) -> Reducer:
-        """A reducer of ``old``'s parameters, options, watch and reduction with other buckets
-        (and comm hook, if given); building it retires ``old``. Only between optimizer steps.
-        It continues the step count (the same watch: step tags and checkpoints go on) and an
-        open window, the same object: an eval-mode forward with grad enabled opens one ([Note:
-        eval forwards keep main gradients] in ``main_grads.py``), whose used parameters (else
-        one only its backward reached would count as unused everywhere) and, with main
-        gradients, gradients it takes over; else, with main gradients, every ``p.main_grad``,
-        moved to its new slot."""
-        new = cls(
-            old.watch, specs, old.options, deadline=old.deadline,
-            comm_hook=old.comm_hook if comm_hook is None else comm_hook,
-            reduction=old.reduction, timeline=old.timeline, layouts=old.layouts,
-        )  # fmt: skip
-        new.num_reductions = old.num_reductions  # the same watch: step tags continue
-        if old.window.phase in (Phase.ACCUMULATING, Phase.ARMED):
-            new._continue_window(old)
-        elif new.main_grads:
-            move_main_grads(new.params, new._views())
-        return new
-
-    def _continue_window(self, old: Reducer) -> None:
-        self.window = old.window
-        if self.main_grads:  # else the window's gradients are in .grad, where autograd put them
-            for view, old_view in zip(self._views(), old._views(), strict=True):
+    def replan(self, specs: Sequence[BucketSpec], comm_hook: CommHook | None = None) -> None:
+        """Lay the buckets out again as ``specs`` (travelling by ``comm_hook``, if given), between
+        optimizer steps. The step count goes on, and so does an open window: an eval-mode
+        forward with grad enabled opens one ([Note: eval forwards keep main gradients] in
+        ``main_grads.py``), whose used flags and main gradients go on in the new buckets;
+        else every ``p.main_grad`` moves to its new slot."""
+        window_open = self.window.phase in (Phase.ACCUMULATING, Phase.ARMED)
+        old_views = self._views() if self.main_grads else []
+        self._lay_out(specs, self.comm_hook if comm_hook is None else comm_hook)
+        if not self.main_grads:  # the window's gradients are in .grad, where autograd put them
+            return
+        if window_open:
+            for view, old_view in zip(self._views(), old_views, strict=True):
                 view.copy_(old_view)
+        else:
+            move_main_grads(self.params, self._views())
 
     def _views(self) -> list[torch.Tensor]:
         """Each trainable parameter's slot in the buckets, in parameter order."""
@@ -163,7 +167,8 @@ class Reducer(TorchReducerMethods):
         self.watch.rebase()  # loading wrote the parameters in place on every rank alike
 
     def retire(self, by: str | None = None) -> None:
-        """Remove the hooks: a newer reducer replaces this one (``by``: another wrapper's call)."""
+        """Remove the hooks: another wrapper's reducer took the parameters over (``by``: its
+        call)."""
         for handle in self._hooks:
             handle.remove()
         self._hooks = []
@@ -221,7 +226,8 @@ class Reducer(TorchReducerMethods):
         self.reduction.count_items(num_items)
 
     # -- backward side --------------------------------------------------------------------
-    def _on_grad_ready(self, index: int, b: int, slot: int) -> None:
+    def on_grad_ready(self, index: int, b: int, slot: int) -> None:
+        """A gradient hook's call (``hooks.py``): parameter ``index``'s gradient is ready."""
         # Runs once per parameter per backward: keep it short (benchmarks/hook_overhead.py).
         window = self.window
         window.used[index] = True
@@ -230,20 +236,23 @@ class Reducer(TorchReducerMethods):
             pass
         elif phase is Phase.ACCUMULATING:
             if window.backward_began():  # the first gradient: decide() no longer changes it
-                check_graph_grads(self.options, self.buckets)  # create_graph=True?
-                self.marks.backward_began()  # under no_sync: its end is marked by a callback
-                self.leaf_steps.end_leaf_with_backward()  # deterministic mode: a leaf ends
+                self._accumulation_began()
             self.buckets[b].accumulate(slot)  # main gradients add up in the bucket
             return
         elif phase is Phase.UNPREPARED:
             through_grad = is_graph_grad(self.params[index])
             raise gradient_without_forward(self.names[index], self.rank, through_grad)
         else:  # ARMED: the first gradient of a synchronised backward
-            check_graph_grads(self.options, self.buckets)
+            check_graph_grads(self.options, self.buckets, self.takes_grads)
             self._start_reduction()
         if self.buckets[b].ready[slot]:
             raise gradient_twice(self.names[index])
         self.queue.arrive(b, slot, window.used)
+
+    def _accumulation_began(self) -> None:
+        """The first gradient of a backward under ``no_sync()``."""
+        check_graph_grads(self.options, self.buckets, self.takes_grads)  # create_graph=True?
+        self.marks.backward_began()  # under no_sync: its end is marked by a callback
 
     def _start_reduction(self) -> None:
         self.window.start_reduction()
@@ -261,28 +270,16 @@ class Reducer(TorchReducerMethods):
 
     def _begin_reduction(self, contributes: bool) -> None:
         """What every reduction starts with, a join round's too: each bucket takes a buffer back
-        ([Note: handing the buffer over] in ``buckets.py``), then this rank's tail goes in."""
-        for bucket in self.buckets:
-            bucket.claim()
-        self.leaf_steps.begin_reduction(contributes=contributes)
-        self._write_tail(contributes)
+        ([Note: handing the buffer over] in ``buckets.py``), then this rank's records go into
+        bucket 0's tail (none from a rank that has joined) and the item count out."""
+        self._claim_buffers(contributes)
+        if self.buckets:
+            self.tail.write(self.buckets[0].tail, self if contributes else None)
         self.reduction.start_item_exchange(contributes=contributes)
 
-    def _write_tail(self, contributes: bool) -> None:
-        """This rank's records in bucket 0's tail; a rank that has joined sends none."""
-        if not self.buckets:
-            return
-        if not contributes:
-            self.tail.write(self.buckets[0].tail, {})
-            return
-        window = self.window
-        flags = PARAMS_CHANGED * bool(window.changes) | NO_ITEMS * self.reduction.missing_count
-        updates = self.watch.updates_since_wrapping()
-        tag = StepTag(self.num_reductions, window.forwards, window.no_sync, updates, flags)
-        self.tail.write(self.buckets[0].tail, {
-            tags.RIDER: tag.encode(),
-            slots.RIDER: self.timeline.outgoing(len(self.specs)),  # the last interval, if any
-        })  # fmt: skip
+    def _claim_buffers(self, contributes: bool) -> None:
+        for bucket in self.buckets:
+            bucket.claim()
 
     def finish_gradient_synchronization(self) -> None:
         """Wait for every bucket and write the reduced gradients to ``.grad``.
@@ -317,17 +314,20 @@ class Reducer(TorchReducerMethods):
             self.marks.synced()  # the end of the step's collectives: see [Note: step phases]
             with span("step_checks"):
                 readout = read_step(
-                    self.buckets, self.options.check_finite, self.reduction, self.world_size,
-                    self.window.used, self.tail if self.buckets else None,
-                )  # fmt: skip
+                    self.buckets,
+                    self.options.check_finite,
+                    self.reduction,
+                    self.world_size,
+                    self.window.used,
+                    self.tail if self.buckets else None,
+                )
                 try:
                     judge(readout, self._step_context())
                 except NonFiniteGradientError:
                     self.comm_hook.discard_step()  # the step is skipped: so is its hook state
                     raise
-            self.timeline.received(readout.timings, self.num_reductions)
-            grads, leaves = [b.grads for b in self.buckets], self.leaf_steps.total()
-            self.reduction.post_divide(grads, readout.total_items, leaves)
+            self.timeline.received(readout.riders.get(RIDER, []), self.num_reductions)
+            self._post_divide([b.grads for b in self.buckets], readout.total_items)
             if self.first_unused is None and self.options.tolerates_unused:
                 active = self.window.num_active
                 self.first_unused = unused_somewhere(self.specs, readout.counts, active)
@@ -345,56 +345,34 @@ class Reducer(TorchReducerMethods):
     def _step_context(self) -> StepContext:
         window = self.window
         return StepContext(
-            deadline=self.deadline, specs=self.specs, names=self.names, used=window.used,
-            num_active=window.num_active, num_reductions=self.num_reductions, watch=self.watch,
+            deadline=self.deadline,
+            specs=self.specs,
+            names=self.names,
+            used=window.used,
+            num_active=window.num_active,
+            num_reductions=self.num_reductions,
+            watch=self.watch,
             changes=window.changes,
-            compare_windows=not self.reduction.counts_items and not self.leaf_steps.on,  # tags
+            compare_windows=self.compares_windows and not self.reduction.counts_items,
             find_unused_parameters=self.options.tolerates_unused,
-        )  # fmt: skip
+        )
+
+    def _post_divide(self, grads: list[torch.Tensor], total_items: float) -> None:
+        self.reduction.post_divide(grads, total_items)
 
     def _wait_all(self) -> None:
-        step = f"step {self.num_reductions}"
+        step, host = f"step {self.num_reductions}", self.host_deadline
         if self.reduction.exchange is not None:
             what = f"the item count ({step})"
-            self.deadline.wait(self.reduction.exchange, what, host_deadline=self.host_deadline)
-        for bucket in self.buckets:
-            assert bucket.work is not None
-            what = f"the all-reduce of bucket {bucket.spec.index} ({step})"
-            self.deadline.wait(bucket.work, what, host_deadline=self.host_deadline)
-        if not self.host_deadline and self.world_size > 1:  # before the readout's host read
-            done = torch.cuda.Event()
-            done.record()
-            self.deadline.wait_device(done, f"the gradient reduction of {step}")
+            self.deadline.wait(self.reduction.exchange, what, host_deadline=host)
+        self.queue.wait_all(self.deadline, step, host)
 
     def _reset(self) -> None:
-        self.leaf_steps.finish()
         self.queue.reset()
         self.reduction.reset()
         self.window = StepWindow(len(self.params), self.world_size)  # the next step's
 
     def _write_back(self, counts: list[list[float]]) -> None:
-        copies = [c for b, n in zip(self.buckets, counts, strict=True) for c in b.results(n)]
-        if copies:  # one call instead of one per parameter; unrecorded: [Note: gradients
-            with torch.no_grad():  # with a graph] in checks/graph_grads.py
-                torch._foreach_copy_([dst for dst, _ in copies], [src for _, src in copies])
+        write_back(self.buckets, counts)
         if self.main_grads:
             stamp_grads(self.params)  # [Note: clipping main gradients]
-
-
-def _grad_hook(
-    reducer: weakref.ref[Reducer], index: int, b: int, slot: int
-) -> Callable[[torch.Tensor], None]:
-    """The post-accumulate-grad hook of trainable parameter ``index`` (slot ``slot`` of bucket
-    ``b``): a no-op once its reducer is gone (a wrapper dropped without a successor)."""
-
-    def hook(param: torch.Tensor) -> None:
-        owner = reducer()
-        if owner is None:
-            return
-        try:
-            owner._on_grad_ready(index, b, slot)
-        except GradsyncError as exc:
-            owner.deadline.record_error(exc)  # so that the peers' timeout can name it
-            raise
-
-    return hook

@@ -48,12 +48,8 @@ class Reduction:
         name: str,
         group: dist.ProcessGroup | None,
         device: torch.device,
-        after_sum: bool = False,
     ) -> None:
         self.name = check_reduction(name)
-        # The deterministic mode: no pre-division, every scale after the sum ([Note: what the
-        # same bits need] in deterministic.py).
-        self.after_sum = after_sum
         self.group = group
         self.local_items = 0.0  # declared on this rank in the current accumulation window
         self.declared = False  # count_items() was called in this window (0 items is legal)
@@ -77,8 +73,6 @@ class Reduction:
         ``ddp_comm_hooks``, which average (torch DDP hands them undivided gradients).
         Multiplying by it keeps the result's meaning the same either way."""
         factor = float(wire_divides)
-        if self.after_sum:
-            return None if factor == 1.0 else factor
         if self.name == "mean":
             factor /= num_active
         return None if factor == 1.0 else factor
@@ -126,14 +120,8 @@ class Reduction:
                 self.total_items.add_(self.device_items)
             self.exchange = dist.all_reduce(self.total_items, group=self.group, async_op=True)
 
-    def post_divide(
-        self, grads: list[torch.Tensor], total_items: float, leaves: int | None = None
-    ) -> None:
-        """Divide the summed gradients by the global item count (``item_mean``) or, in the
-        deterministic mode (``leaves``: the step's leaves), ``mean``'s by the leaves."""
-        if self.name == "mean" and leaves is not None:
-            torch._foreach_div_(grads, float(leaves))
-            return
+    def post_divide(self, grads: list[torch.Tensor], total_items: float) -> None:
+        """Divide the summed gradients by the global item count (``item_mean`` only)."""
         if not self.counts_items:
             return
         if not math.isfinite(total_items) or total_items < 0:

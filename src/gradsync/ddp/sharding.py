@@ -45,8 +45,9 @@ optimizer state, the point of ZeRO-1, is sharded either way.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import Any
+import weakref
+from collections.abc import Sequence
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -101,24 +102,41 @@ class _Gather:
         return self.worker.submit(lambda: self.runner.all_gather(flat, self.ring))
 
 
+class Counted(Protocol):
+    """The reducer, as the sharded steps see it: one step per synchronised backward."""
+
+    num_reductions: int
+
+
 class ShardedSteps:
     """The wrapper's side of a sharded optimizer: each step runs under the wrapper's deadline,
     from the reduced gradients the reducer left in ``.grad``."""
 
     def __init__(
-        self, optimizer: ShardedOptimizer, deadline: Deadline, peers: agree.Peers,
-        reductions: Callable[[], int],
-    ) -> None:  # fmt: skip
+        self,
+        optimizer: ShardedOptimizer,
+        deadline: Deadline,
+        peers: agree.Peers,
+        reducer: Counted,
+    ) -> None:
         assert deadline.group is not None
         self.optimizer = optimizer
         self.deadline = deadline
         self.peers = peers
-        self.reductions = reductions  # synchronised backwards so far
+        # Weakly: the optimizer, which holds these steps, may outlive the wrapper.
+        self._reducer = weakref.ref(reducer)
         self._stepped_after: int | None = None  # reductions when the last step completed
         self.gather = _Gather(deadline.group)
         self._in_flight: list[Any] = []  # all-gathers of a step that raised before its wait
         self._step = 0
         optimizer.attach(self)
+
+    def reductions(self) -> int:
+        """The synchronised backwards of the wrapper's reducer so far."""
+        reducer = self._reducer()
+        if reducer is None:
+            raise ProtocolError("a sharded optimizer's wrapper was deleted: it cannot step")
+        return reducer.num_reductions
 
     @torch.no_grad()
     def step(self) -> None:
@@ -196,12 +214,6 @@ def refuse_unsupported(
         # The optimizer's layout follows the buckets, which "auto" replaces after a few steps.
         "bucket_cap_mb='auto'": options.auto,
     }
-    if options.deterministic is not None:
-        raise UsageError(
-            "shard_optimizer() cannot be combined with deterministic=: clipping by the norm "
-            "of the sharded gradients adds per-rank slices, an order that depends on the "
-            "world size; use a replicated optimizer (or MasterWeights)"
-        )
     bad = [name for name, on in settings.items() if on]
     if bad:
         raise UsageError(f"shard_optimizer() does not support {', '.join(bad)} yet")
@@ -214,7 +226,7 @@ def shard(
     deadline: Deadline,
     optimizer_class: type[torch.optim.Optimizer],
     defaults: dict[str, Any],
-    reductions: Callable[[], int],
+    reducer: Counted,
 ) -> ShardedSteps:
     """The sharded steps of ``DistributedDataParallel.shard_optimizer``: a
     :class:`ShardedOptimizer` over the parameters ``named`` (the reducer's) whose flat buckets
@@ -227,7 +239,7 @@ def shard(
         params, optimizer_class, process_group=deadline.group, buckets=buckets, **defaults
     )
     names = {id(p): name for name, p in named}
-    return ShardedSteps(opt, deadline, deadline_peers(deadline, names), reductions)
+    return ShardedSteps(opt, deadline, deadline_peers(deadline, names), reducer)
 
 
 def _refuse_changed_parameters(changes: list[str], deadline: Deadline) -> None:

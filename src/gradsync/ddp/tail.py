@@ -12,79 +12,91 @@ durations that may round), and a comm hook that carries the tail losslessly (see
 bucket communication seam] in ``comm/hook.py``).
 
 The layout is rank after rank, and a rank's record is each rider's fields in the order the
-riders registered::
+riders were given::
 
     | rank 0: step tags | timings | rank 1: step tags | timings | ...
 
 so this rank writes one contiguous slice per step (one zeroing, one copy). :class:`TailLayout`
-is the only place that knows these offsets: riders register a width, the bucket is built with
-:attr:`TailLayout.numel` extra values, the reducer writes a record per step into bucket 0's
-tail of that step with :meth:`TailLayout.write` (bucket 0 lays its buffer out again after
-handing it over: [Note: handing the buffer over] in ``buckets.py``), and the readout hands
-each rider back what every rank sent with :meth:`TailLayout.split`.
+is the only place that knows these offsets, and it knows no rider by name: a rider is an object
+with a ``name``, a ``width`` per rank, an ``encode`` of this rank's record and a ``decode`` of
+every rank's (:class:`Rider`), defined in its own module. The tail's owner (the reducer) hands
+the riders over when it lays out the buckets, bucket 0 is built with :attr:`TailLayout.numel`
+extra values, the reducer has every rider encode its record once per step into bucket 0's tail
+of that step with :meth:`TailLayout.write` (bucket 0 lays its buffer out again after handing it
+over: [Note: handing the buffer over] in ``buckets.py``), and the readout hands each rider's
+decoding back by name with :meth:`TailLayout.read`. A new rider is its module and one entry in
+the reducer's list.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 
-from gradsync.ddp.checks import tags
-from gradsync.timing import StepTimeline, slots
 
-
-@dataclass(frozen=True)
-class Rider:
-    """One kind of record in the tail: ``width`` values per rank, at ``offset`` in a record."""
+class Rider(Protocol):
+    """One kind of record in the tail: ``width`` values per rank."""
 
     name: str
     width: int
-    offset: int
+
+    def encode(self, step: Any) -> Sequence[float] | None:
+        """This rank's record of ``step`` (the reducer), ``width`` values; ``None``: zeros,
+        which :meth:`decode` reads as "nothing from this rank"."""
+
+    def decode(self, values: list[float], world_size: int) -> Any:
+        """What every rank sent, from ``values``: this rider's fields, rank after rank."""
+
+
+class GivenRider:
+    """A rider whose records come with the step, a mapping from rider name to record: the
+    layout checked apart from the reducer (tests, benchmarks)."""
+
+    def __init__(self, name: str, width: int) -> None:
+        self.name, self.width = name, width
+
+    def encode(self, step: Mapping[str, Sequence[float] | None]) -> Sequence[float] | None:
+        return step.get(self.name)
+
+    def decode(self, values: list[float], world_size: int) -> list[float]:
+        return values
 
 
 class TailLayout:
     """Where each rider's values lie in bucket 0's tail, and this rank's record in it."""
 
-    def __init__(self, world_size: int, rank: int) -> None:
+    def __init__(self, world_size: int, rank: int, riders: Sequence[Rider]) -> None:
         self.world_size, self.rank = world_size, rank
-        self.riders: dict[str, Rider] = {}
-        self.width = 0  # values per rank: the riders' widths added up
+        names = [r.name for r in riders]
+        if len(set(names)) != len(names) or any(r.width < 0 for r in riders):
+            raise ValueError(f"riders named twice, or of negative width: {names}")
+        self.riders = list(riders)
+        self.offsets = [sum(r.width for r in self.riders[:i]) for i in range(len(self.riders))]
+        self.width = sum(r.width for r in self.riders)  # values per rank
         self.written: list[float] = []  # this rank's record as last written, on the host
-        self.laid_out = False  # a record was written: the riders are fixed
-
-    def register(self, name: str, width: int) -> Rider:
-        """Reserve ``width`` values per rank for ``name``; only before the first :meth:`write`."""
-        if self.laid_out:
-            raise RuntimeError(f"rider {name!r} registered after the tail was laid out")
-        if name in self.riders or width < 0:
-            raise ValueError(f"rider {name!r} registered twice, or with width {width}")
-        rider = self.riders[name] = Rider(name, width, self.width)
-        self.width += width
-        return rider
 
     @property
     def numel(self) -> int:
         """The tail's length in the bucket: every rank's record."""
         return self.width * self.world_size
 
-    def write(self, tail: torch.Tensor, records: Mapping[str, Sequence[float] | None]) -> None:
-        """This rank's record for the coming sum, into ``tail`` (the end of bucket 0's buffer,
-        :attr:`numel` long), each rider's values by name. A rider left out or given ``None``
-        sends zeros, which its decoder reads as "nothing from this rank" (a rank that has
-        joined); every other rank's slots are zeroed."""
+    def write(self, tail: torch.Tensor, step: Any | None) -> None:
+        """This rank's record of ``step`` for the coming sum, into ``tail`` (the end of bucket
+        0's buffer, :attr:`numel` long), each rider's values as it encodes them; ``step``
+        ``None`` (a rank that has joined) sends zeros everywhere. Every other rank's slots
+        are zeroed."""
         if tail.numel() != self.numel:
             raise ValueError(f"bucket 0's tail holds {tail.numel()} values, not {self.numel}")
-        self.laid_out = True
         values = [0.0] * self.width
-        for name, record in records.items():
+        for rider, offset in zip(self.riders, self.offsets, strict=True):
+            record = None if step is None else rider.encode(step)
             if record is None:
                 continue
-            rider = self.riders[name]
             if len(record) != rider.width:
-                raise ValueError(f"{name}: {len(record)} values, expected {rider.width}")
-            values[rider.offset : rider.offset + rider.width] = record
+                raise ValueError(f"{rider.name}: {len(record)} values, expected {rider.width}")
+            values[offset : offset + rider.width] = record
         self.written = values
         tail.zero_()
         if not any(values):
@@ -99,24 +111,16 @@ class TailLayout:
         mine = tail[self.rank * self.width : (self.rank + 1) * self.width]
         mine.copy_(host, non_blocking=cuda)
 
-    def split(self, tail: Sequence[float]) -> dict[str, list[float]]:
-        """Each rider's values of every rank, rank after rank, from the summed ``tail``."""
-        width = self.width
-        return {
-            name: [
+    def read(self, tail: Sequence[float]) -> dict[str, Any]:
+        """Each rider's decoding of what every rank sent, by rider name, from the summed
+        ``tail``."""
+        width, num_ranks = self.width, len(tail) // self.width if self.width else 0
+        decoded = {}
+        for rider, offset in zip(self.riders, self.offsets, strict=True):
+            values = [
                 v
-                for r in range(len(tail) // width if width else 0)
-                for v in tail[r * width + rider.offset : r * width + rider.offset + rider.width]
+                for r in range(num_ranks)
+                for v in tail[r * width + offset : r * width + offset + rider.width]
             ]
-            for name, rider in self.riders.items()
-        }
-
-
-def step_tail(world_size: int, rank: int, timeline: StepTimeline, num_buckets: int) -> TailLayout:
-    """What rides in bucket 0 after its used flags: every rank's step tag ([Note: step tags])
-    and, with the step timeline on, its phases of the last interval (``timing/slots.py``)."""
-    tail = TailLayout(world_size, rank)
-    tail.register(tags.RIDER, tags.NUM_FIELDS)
-    if timeline.enabled:
-        tail.register(slots.RIDER, timeline.width(num_buckets))
-    return tail
+            decoded[rider.name] = rider.decode(values, self.world_size)
+        return decoded

@@ -7,9 +7,6 @@ Construction makes replicas equal (model check, rank 0 broadcast) and plans the 
 
 from __future__ import annotations
 
-import dataclasses
-import math
-import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from datetime import timedelta
@@ -22,25 +19,22 @@ from torch.distributed.algorithms.join import Joinable
 from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
-from gradsync.comm import AllReduceAlgorithm, CommHook, torch_hooks
+from gradsync.comm import AllReduceAlgorithm
 from gradsync.comm.formats import Compression, describe_compression
-from gradsync.ddp import sharding
-from gradsync.ddp.build import first_reducer
-from gradsync.ddp.checks.diagnostics import check_can_wrap, check_replicas
-from gradsync.ddp.checks.model import make_replicas_equal, refuse_everywhere
-from gradsync.ddp.checks.param_watch import ParameterWatch
+from gradsync.ddp.checks.diagnostics import check_can_wrap
+from gradsync.ddp.checks.model import refuse_everywhere
 from gradsync.ddp.compat import pickling, torch_args
 from gradsync.ddp.compat.torch_args import Device
 from gradsync.ddp.compat.torch_surface import TorchSurface
-from gradsync.ddp.forward import ForwardProtocol, Lifecycle, WrapperOps
-from gradsync.ddp.join import JoinProtocol, JoinRounds
+from gradsync.ddp.lifecycle import Lifecycle
 from gradsync.ddp.main_grads import check_main_grad_dtype
 from gradsync.ddp.options import Setting, SyncOptions
-from gradsync.ddp.plan import BucketSpec, cap_to_bytes, plan_buckets
+from gradsync.ddp.plan import BucketSpec
 from gradsync.ddp.reducer import Reducer
 from gradsync.ddp.replan.autoplan import BucketPlan
 from gradsync.ddp.replan.autotune import AutoBuckets
-from gradsync.errors import ProtocolError, UsageError
+from gradsync.ddp.state import DDPState
+from gradsync.errors import UsageError
 from gradsync.failfast.deadline import Deadline, as_timedelta, new_wrapper_deadline
 from gradsync.mesh.axes import axis_names, data_parallel_group
 from gradsync.mesh.dtensors import grad_layouts
@@ -78,27 +72,42 @@ class DistributedDataParallel(TorchSurface, TorchDDP):  # type: ignore[override,
     ``check_replicas_every``; ``main_grad_dtype`` (into ``p.main_grad``); ``straggler_every``
     (steps per :attr:`timeline` report, ``0``: off); ``deterministic`` (``deterministic.py``)."""
 
-    _torch_hook: Callable[..., Any] | None = None  # set by register_comm_hook
-    _sharded: sharding.ShardedSteps | None = None  # set by shard_optimizer
-
     @pickling.remember_arguments  # for a pickled wrapper: compat/pickling.py
     def __init__(  # torch DDP's parameters in torch's order, then gradsync's own
-        self, module: nn.Module, device_ids: Sequence[Device] | None = None,
-        output_device: Device | None = None, dim: int = 0, broadcast_buffers: bool | None = None,
-        init_sync: bool = True, process_group: dist.ProcessGroup | None = None,
-        bucket_cap_mb: float | str | None = None, find_unused_parameters: bool = False,
-        check_reduction: bool = False, gradient_as_bucket_view: bool = False,
-        static_graph: bool = False, delay_all_reduce_named_params: Any = None,
-        param_to_hook_all_reduce: Any = None, mixed_precision: Any = None,
-        device_mesh: DeviceMesh | None = None, skip_all_reduce_unused_params: bool = False,
-        bucket_cap_mb_list: list[int] | None = None, batched_grad_copy: bool = False,
-        forward_sync_buffers: bool | None = None, *, first_bucket_cap_mb: float | None = 1.0,
-        reduction: str = "mean", algorithm: str | AllReduceAlgorithm = "native",
-        compression: Compression = None, timeout: float | timedelta = 300.0,
-        check_finite: bool = False, check_replicas_every: int = 0,
-        main_grad_dtype: torch.dtype | None = None, straggler_every: int = 10,
+        self,
+        module: nn.Module,
+        device_ids: Sequence[Device] | None = None,
+        output_device: Device | None = None,
+        dim: int = 0,
+        broadcast_buffers: bool | None = None,
+        init_sync: bool = True,
+        process_group: dist.ProcessGroup | None = None,
+        bucket_cap_mb: float | str | None = None,
+        find_unused_parameters: bool = False,
+        check_reduction: bool = False,
+        gradient_as_bucket_view: bool = False,
+        static_graph: bool = False,
+        delay_all_reduce_named_params: Any = None,
+        param_to_hook_all_reduce: Any = None,
+        mixed_precision: Any = None,
+        device_mesh: DeviceMesh | None = None,
+        skip_all_reduce_unused_params: bool = False,
+        bucket_cap_mb_list: list[int] | None = None,
+        batched_grad_copy: bool = False,
+        forward_sync_buffers: bool | None = None,
+        *,
+        first_bucket_cap_mb: float | None = 1.0,
+        reduction: str = "mean",
+        algorithm: str | AllReduceAlgorithm = "native",
+        compression: Compression = None,
+        timeout: float | timedelta = 300.0,
+        check_finite: bool = False,
+        check_replicas_every: int = 0,
+        main_grad_dtype: torch.dtype | None = None,
+        straggler_every: int = 10,
         deterministic: int | None = None,
-    ) -> None:  # fmt: skip
+    ) -> None:
+        arguments = dict(locals())  # by name: torch_args and SyncOptions take theirs from it
         nn.Module.__init__(self)  # not torch DDP's __init__: it would build torch's C++ reducer
         Joinable.__init__(self)
         check_can_wrap(module, DistributedDataParallel)
@@ -106,80 +115,52 @@ class DistributedDataParallel(TorchSurface, TorchDDP):  # type: ignore[override,
         self.module, self.device_mesh, self.dim = module, device_mesh, dim
         process_group = data_parallel_group(process_group, device_mesh)
         self.process_group = process_group  # type: ignore[assignment]  # torch: never None
-        self._deadline = new_wrapper_deadline(
-            process_group, as_timedelta(timeout), torch_args.module_device(module)
-        )
         self.parameters_to_ignore = torch_args.ignored_names(module)
-        try:  # a refusal on one rank is raised on every rank, in place of the model check
-            where, each_forward, at_init = torch_args.resolve(
-                module, self.parameters_to_ignore, device_ids, output_device, broadcast_buffers,
-                forward_sync_buffers, delay_all_reduce_named_params=delay_all_reduce_named_params,
-                param_to_hook_all_reduce=param_to_hook_all_reduce,
-                mixed_precision=mixed_precision, bucket_cap_mb_list=bucket_cap_mb_list,
-            )  # fmt: skip
-            self.options = SyncOptions(
-                bucket_cap_mb=bucket_cap_mb, first_bucket_cap_mb=first_bucket_cap_mb,
-                find_unused_parameters=find_unused_parameters, static_graph=static_graph,
-                gradient_as_bucket_view=gradient_as_bucket_view,
-                broadcast_buffers=each_forward, init_sync=init_sync, init_sync_buffers=at_init,
-                reduction=reduction, algorithm=algorithm, straggler_every=straggler_every,
-                compression=compression, timeout=self._deadline.timeout, check_finite=check_finite,
-                check_replicas_every=check_replicas_every, main_grad_dtype=main_grad_dtype,
-                deterministic=deterministic,
-            )  # fmt: skip
-            self._layouts = grad_layouts(self._named_parameters(), process_group)
-            check_main_grad_dtype(main_grad_dtype, gradient_as_bucket_view, self._layouts, module)
-        except UsageError as exc:
-            refuse_everywhere(exc, self._deadline)
-        # torch DDP's public record of where the replica lives (Accelerate and Lightning read it).
-        self.device_ids, self.output_device = where.device_ids, where.output_device
-        self.device, self.device_type = where.device, where.device_type
-        self.is_multi_device_module = where.is_multi_device_module
         self._sync_backward = self.require_forward_param_sync = True  # torch's flags
         self.skip_all_reduce_unused_params = skip_all_reduce_unused_params  # torch's hints: the
         self.batched_grad_copy = batched_grad_copy  # results are the same either way
-        self._build(axis_names(device_mesh))
+        self._state = self._new_state(arguments, process_group)
 
-    def _build(self, axes: tuple[str, ...], equal_by: SyncOptions | None = None) -> None:
-        """Make the replicas equal as ``equal_by`` (default: the options) says; build the reducer
-        and the protocols, which reach the wrapper through what it hands them."""
-        self.timeline = StepTimeline.of(self.options.straggler_every, self._deadline)
-        named_params, named_buffers = self._named_parameters(), self._named_buffers()
-        equal_by = equal_by or self.options
-        settings = equal_by.settings(axes)
-        make_replicas_equal(named_params, named_buffers, equal_by, settings, self._deadline)
-        self._buffers_to_sync = [b for _, b in named_buffers]
-        watch = ParameterWatch(self.module, self.parameters_to_ignore)
-        self.reducer, self.bucket_sizes, self.bucket_cap_mb = first_reducer(
-            watch, self.options, self._deadline, self.timeline, self._layouts, self.module, axes
-        )
-        me = weakref.proxy(self)  # no cycle: a dropped wrapper is freed at once, not by the gc
-        self._join = JoinProtocol(self._deadline, me, JoinRounds(  # type: ignore[arg-type]
-            lambda: me.reducer, lambda: me._broadcast_buffers(), lambda: me._take_final_state()
-        ))  # fmt: skip
-        ops = WrapperOps(
-            lambda: me.reducer, lambda: me._broadcast_buffers(), lambda: me.check_replicas(),
-            lambda specs, cap: me._adopt_plan(specs, cap), lambda last: me._plan_last(last),
-            lambda: (me.bucket_sizes, me.bucket_cap_mb),
-        )  # fmt: skip
+    def _new_state(self, arguments: dict[str, Any], group: dist.ProcessGroup | None) -> DDPState:
+        """The state behind this wrapper, from its constructor's ``arguments``: a refusal on one
+        rank is raised on every rank, in place of the model check (a collective)."""
+        module, ignore = self.module, self.parameters_to_ignore
+        where = torch_args.module_device(module)
+        deadline = new_wrapper_deadline(group, as_timedelta(arguments["timeout"]), where)
+        try:
+            placed, each_forward, at_init = torch_args.resolve(module, ignore, arguments)
+            options = SyncOptions.of(
+                arguments,
+                broadcast_buffers=each_forward,
+                init_sync_buffers=at_init,
+                timeout=deadline.timeout,
+            )
+            named = [(n, p) for n, p in module.named_parameters() if n not in ignore]
+            layouts = grad_layouts(named, group)
+            grad_dtype, as_view = options.main_grad_dtype, options.gradient_as_bucket_view
+            check_main_grad_dtype(grad_dtype, as_view, layouts, module)
+        except UsageError as exc:
+            refuse_everywhere(exc, deadline)
+        # torch DDP's public record of where the replica lives (Accelerate and Lightning read it).
+        self.device_ids, self.output_device = placed.device_ids, placed.output_device
+        self.device, self.device_type = placed.device, placed.device_type
+        self.is_multi_device_module = placed.is_multi_device_module
         inputs_to = self.device if self.device_ids else None  # torch's rule, with device_ids
-        self._forward = ForwardProtocol(
-            self.options, self._deadline, self._join, self.timeline, ops, inputs_to
-        )
+        axes = axis_names(self.device_mesh)
+        return DDPState(module, ignore, options, deadline, layouts, axes, inputs_to)
 
     def regroup(self, from_rank_0: bool = False) -> None:
         """Go on over the new default group after a membership change (gradsync.recovery),
         between steps: new buckets, hooks and private group; the replicas are checked equal
         (``ReplicaMismatchError``), or with ``from_rank_0`` take rank 0's, as at construction."""
-        if self.device_mesh is not None or self._sharded is not None or self._torch_hook:
+        state = self._state
+        if self.device_mesh is not None or state.sharded is not None or state.torch_hook:
             raise UsageError("regroup() covers no mesh, ZeRO-1 or comm hook (per-rank state)")
-        self.reducer.retire()
         self.process_group = dist.group.WORLD  # type: ignore[assignment]
-        where, opts, name = torch_args.module_device(self.module), self.options, "the regrouped DDP"
-        self._deadline = Deadline.for_group(self.process_group, opts.timeout, name, where)
-        self._layouts = grad_layouts(self._named_parameters(), self.process_group)
-        checked = dataclasses.replace(opts, init_sync=False, init_sync_buffers=False)
-        self._build((), opts if from_rank_0 else checked)
+        where, name = torch_args.module_device(self.module), "the regrouped DDP"
+        deadline = Deadline.for_group(self.process_group, self.options.timeout, name, where)
+        layouts = grad_layouts(state.named_parameters(), self.process_group)
+        state.regroup(deadline, layouts, from_rank_0)
 
     # -- the settings, as torch DDP exposes them (read-only: they must agree across ranks) ----
     reduction, broadcast_buffers, compression, timeout = Setting(), Setting(), Setting(), Setting()
@@ -187,45 +168,52 @@ class DistributedDataParallel(TorchSurface, TorchDDP):  # type: ignore[override,
     check_replicas_every, main_grad_dtype, deterministic = Setting(), Setting(), Setting()
     forward_sync_buffers, algorithm = Setting("broadcast_buffers"), Setting("all_reduce")
 
+    # -- what the state owns, as torch DDP and gradsync's users read it ----------------------
+    @property
+    def options(self) -> SyncOptions:
+        """Every setting, as agreed across ranks at construction (``ddp/options.py``)."""
+        return self._state.options
+
+    @property
+    def reducer(self) -> Reducer:
+        """The reducer, as torch DDP's ``.reducer`` (``compat/torch_reducer.py``)."""
+        return self._state.reducer
+
+    @property
+    def timeline(self) -> StepTimeline:
+        """Every rank's step phases and the straggler reports (``timing/timeline.py``)."""
+        return self._state.timeline
+
+    @property
+    def lifecycle(self) -> Lifecycle:
+        """Loaded, configurable, training, failed or retired ([Note: the wrapper's lifecycle])."""
+        return Lifecycle.LOADED if pickling.LOADED in self.__dict__ else self._state.lifecycle
+
     @property
     def bucket_specs(self) -> list[BucketSpec]:
         """The layout of the buckets in use (``bucket_cap_mb="auto"`` may replace it)."""
         return self.reducer.specs
 
-    def _named_parameters(self) -> list[tuple[str, nn.Parameter]]:
-        """The module's parameters that are data-parallel (all but torch DDP's ignore list)."""
-        ignore = self.parameters_to_ignore
-        return [(n, p) for n, p in self.module.named_parameters() if n not in ignore]
+    @property
+    def bucket_cap_mb(self) -> float | None:
+        """The cap (MiB) the buckets in use were planned with (``math.inf``: one bucket)."""
+        return self._state.bucket_cap_mb
 
-    def _named_buffers(self) -> list[tuple[str, torch.Tensor]]:
-        ignore = self.parameters_to_ignore
-        return [(n, b) for n, b in self.module.named_buffers() if n not in ignore]
+    @property
+    def num_buckets(self) -> int:
+        return len(self.bucket_specs)
 
-    # -- the reducer: built here, replaced only here -------------------------------------------
-    def _replace_reducer(
-        self, specs: list[BucketSpec], *, comm_hook: CommHook | None = None,
-    ) -> Reducer:  # fmt: skip
-        """Install a reducer with buckets ``specs`` (and ``comm_hook``) that continues the
-        current one (``Reducer.succeed``): the only way the reducer changes, between steps."""
-        self.reducer = Reducer.succeed(self.reducer, specs, comm_hook=comm_hook)
-        return self.reducer
+    @property
+    def bucket_plan(self) -> BucketPlan | None:
+        """With ``bucket_cap_mb="auto"``, the plan chosen (``None`` before the switch)."""
+        return self.bucket_tuner.plan if self.bucket_tuner is not None else None
 
-    def _adopt_plan(self, specs: list[BucketSpec], cap_mb: float | None) -> Reducer:
-        """``bucket_cap_mb="auto"``: buckets ``specs``, planned with ``cap_mb``, from now on."""
-        # the cap the buckets in use were planned with (the plan's None: one bucket)
-        self.bucket_cap_mb = math.inf if cap_mb is None else cap_mb
-        return self._replace_reducer(specs)
+    @property
+    def bucket_tuner(self) -> AutoBuckets | None:
+        """With ``bucket_cap_mb="auto"``, what chooses the plan (``settled`` once it is final)."""
+        return self._state.forward.autotune
 
-    def _plan_last(self, last: tuple[int, ...]) -> None:
-        """Buckets with the parameters ``last`` planned last (see unused_last.py); not once
-        the parameter set changed (the next reduction raises ParametersChangedError)."""
-        if self.reducer.watch.changes():
-            return
-        cap, first = self.bucket_cap_mb, self.options.first_bucket_cap_mb
-        specs = plan_buckets(self.bucket_sizes, cap_to_bytes(cap), cap_to_bytes(first), last)
-        if specs != self.reducer.specs:
-            self._replace_reducer(specs)
-
+    # -- a forward ---------------------------------------------------------------------------
     @torch.compiler.disable(recursive=False)  # see _prepare_forward
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if pickling.LOADED in self.__dict__ and not torch.is_grad_enabled():  # not built yet
@@ -237,7 +225,7 @@ class DistributedDataParallel(TorchSurface, TorchDDP):  # type: ignore[override,
 
     @torch.compiler.disable  # a clock reading: never traced
     def _forward_returned(self) -> None:
-        self.timeline.recorder.forward_ended()  # a no-op unless a training forward began
+        self._state.timeline.recorder.forward_ended()  # a no-op unless a training forward began
 
     @torch.compiler.disable(recursive=False)  # see _prepare_forward
     def _run_module(self, args: Any, kwargs: Any) -> Any:
@@ -254,19 +242,16 @@ class DistributedDataParallel(TorchSurface, TorchDDP):  # type: ignore[override,
         (recursive=False: what they call is traced): it traces the module call alone, as one
         graph split by DDPOptimizer, and breaks only in torch's _inside_ddp_forward, as torch
         DDP does."""
-        broadcast = self.broadcast_buffers and bool(self._buffers_to_sync)
-        sync = bool(self.require_backward_grad_sync)
-        training = self.module.training
-        return self._forward.run(args, kwargs, self, training, sync, broadcast)
-
-    @property
-    def lifecycle(self) -> Lifecycle:
-        """Loaded, configurable, training, failed or retired ([Note: the wrapper's lifecycle])."""
-        return Lifecycle.LOADED if pickling.LOADED in self.__dict__ else self._forward.lifecycle
-
-    def _broadcast_buffers(self, src: int = 0) -> None:
-        what = f"the broadcast of rank {src}'s buffers before a training forward"
-        self._deadline.broadcast(self._buffers_to_sync, src, what)
+        state = self._state
+        return state.forward.run(
+            state,
+            self,
+            args,
+            kwargs,
+            training=self.module.training,
+            sync=self._sync_backward,
+            broadcast=state.options.broadcast_buffers and bool(state.buffers),
+        )
 
     def count_items(self, num_items: float | torch.Tensor) -> None:
         """Declare how many items (samples, valid tokens) this micro-batch's summed loss covers:
@@ -278,29 +263,20 @@ class DistributedDataParallel(TorchSurface, TorchDDP):  # type: ignore[override,
 
         Compares parameters, and buffers too when ``broadcast_buffers=False`` (with it, buffers
         are rank 0's at every forward and legitimately differ in between)."""
-        self._parameters_ready()
-        named: list[tuple[str, torch.Tensor]] = list(self._named_parameters())
-        if not self.broadcast_buffers:
-            named += self._named_buffers()
-        check_replicas(named, self._deadline)
+        self._state.check_replicas()
 
     def join(  # type: ignore[override]  # torch's arguments, and gradsync's optimizer first
-        self, optimizer: torch.optim.Optimizer | None = None, *,
-        divide_by_initial_world_size: bool = True, enable: bool = True,
+        self,
+        optimizer: torch.optim.Optimizer | None = None,
+        *,
+        divide_by_initial_world_size: bool = True,
+        enable: bool = True,
         throw_on_early_termination: bool = False,
-    ) -> AbstractContextManager[Any]:  # fmt: skip
+    ) -> AbstractContextManager[Any]:
         """Train on uneven data: ``with model.join(optimizer):`` is gradsync's exact form,
         ``with model.join():`` torch DDP's (see ``JoinProtocol.join`` in ``join.py``)."""
         torchs = divide_by_initial_world_size, enable, throw_on_early_termination
-        return self._join.join(optimizer, *torchs)
-
-    def _take_final_state(self) -> None:
-        """The end of a join: every rank takes the state of a rank that was active last."""
-        self._parameters_ready()
-        src = self._join.authoritative_rank()
-        what = f"the final broadcast of rank {src}'s state at the end of join()"
-        params = [p.data for _, p in self._named_parameters()]
-        self._deadline.broadcast(params + self._buffers_to_sync, src, what)
+        return self._state.join.join(self._state, self, optimizer, *torchs)
 
     @property
     def require_backward_grad_sync(self) -> bool:
@@ -335,66 +311,27 @@ class DistributedDataParallel(TorchSurface, TorchDDP):  # type: ignore[override,
         torch's DDP with ``ZeroRedundancyOptimizer``: ``.grad`` is reduced as always, and
         ``opt.step()`` steps this rank's slices and all-gathers them ([Note: sharded steps in
         the wrapper] in ``sharding.py``). On every rank, once, before the first forward."""
-        sharding.refuse_unsupported(self.options, self._layouts, self._torch_hook is not None)
-        if self.lifecycle is not Lifecycle.CONFIGURABLE or self._sharded is not None:
-            raise ProtocolError("shard_optimizer() must be called once, before the first forward")
-        reducer, me = self.reducer, weakref.proxy(self)  # the reducer in place at each step:
-        steps = sharding.shard(
-            reducer.specs, list(zip(reducer.names, reducer.params, strict=True)),
-            reducer.watch.changes(), self._deadline, optimizer_class, defaults,
-            lambda: me.reducer.num_reductions,  # one step per synchronised backward
-        )  # fmt: skip
-        reducer.watch.count_with(steps.updates)  # each rank steps a different number of slices
-        self._sharded = steps
-        return steps.optimizer
-
-    def _parameters_ready(self) -> None:
-        """Wait for the all-gathers a sharded optimizer's step that raised left in flight."""
-        if self._sharded is not None:
-            self._sharded.wait_all()
+        return self._state.shard_optimizer(optimizer_class, defaults)
 
     def register_comm_hook(self, state: object, hook: Callable[..., Any]) -> None:
         """Run torch's DDP communication hook ``hook(state, bucket) -> Future[Tensor]`` on every
         bucket, as torch DDP's; on every rank, once, before the first forward (torch_hooks.py)."""
-        facts = torch_hooks.WrapperFacts(
-            describe_compression(self.compression), self.algorithm.name,
-            registered=self._torch_hook is not None,
-            forward_ran=self.lifecycle is not Lifecycle.CONFIGURABLE,
-            sharded=self._sharded is not None, auto=self.bucket_tuner is not None,
-            deterministic=self.options.deterministic is not None,
-        )  # fmt: skip
-        numels = [b.spec.numel for b in self.reducer.buckets]
-        adapter = torch_hooks.register(state, hook, self._deadline, numels, facts)
-        self._replace_reducer(self.reducer.specs, comm_hook=adapter)
-        self._torch_hook = hook
-        self._forward.unused_last.disable()  # the hook's state may be per bucket
+        self._state.register_comm_hook(state, hook, describe_compression(self.compression))
 
     def finish_gradient_synchronization(self) -> None:
         """Wait for outstanding reductions; idempotent. Backward already calls it at its end."""
         self.reducer.finish_gradient_synchronization()
-
-    @property
-    def num_buckets(self) -> int:
-        return len(self.bucket_specs)
-
-    @property
-    def bucket_plan(self) -> BucketPlan | None:
-        """With ``bucket_cap_mb="auto"``, the plan chosen (``None`` before the switch)."""
-        return self.bucket_tuner.plan if self.bucket_tuner is not None else None
-
-    @property
-    def bucket_tuner(self) -> AutoBuckets | None:
-        """With ``bucket_cap_mb="auto"``, what chooses the plan (``settled`` once it is final)."""
-        return self._forward.autotune
 
     # -- checkpoints: the module's (state_dict, in torch_surface.py) and gradsync's own -----
     def sync_state_dict(self) -> dict[str, Any]:
         """gradsync's own training state (``state_dict()`` stays the module's): step counter,
         last replica check, bucket plan, compression state. ``ProtocolError`` inside an
         accumulation window or ``join()``: no checkpoint holds the no_sync() gradients."""
-        return self._forward.sync_state()
+        return self._state.sync_state(self._state.join.joining(self))
 
     def load_sync_state_dict(self, state: Mapping[str, Any]) -> None:
         """Continue from :meth:`sync_state_dict`. A collective (one small all-gather): a state
         one rank cannot load is refused on every rank before any rank has changed anything."""
-        self._forward.load_sync_state(state, describe_compression(self.compression))
+        joining = self._state.join.joining(self)
+        compression = describe_compression(self.compression)
+        self._state.load_sync_state(state, compression, joining)

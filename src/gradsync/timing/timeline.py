@@ -21,7 +21,7 @@ import torch
 from gradsync.timing.attribution import Thresholds, attribute, describe, metrics
 from gradsync.timing.clock import clock_for
 from gradsync.timing.phases import PhaseRecorder, RankStep
-from gradsync.timing.slots import decode, encode, fields_per_rank
+from gradsync.timing.slots import RIDER, decode, encode, fields_per_rank
 
 logger = logging.getLogger("gradsync.stragglers")
 
@@ -35,6 +35,22 @@ class _NoRecorder:
 
 def _nothing(*args: Any) -> None:
     return None
+
+
+class TimingsRider:
+    """Every rank's phases of the last interval, riding in bucket 0's tail (``slots.py``)."""
+
+    name = RIDER
+
+    def __init__(self, timeline: StepTimeline, num_buckets: int) -> None:
+        self.timeline, self.num_buckets = timeline, num_buckets
+        self.width = timeline.width(num_buckets)
+
+    def encode(self, step: object) -> list[float] | None:
+        return self.timeline.outgoing(self.num_buckets)  # the last interval, if any
+
+    def decode(self, values: list[float], world_size: int) -> list[float]:
+        return values  # decoded by StepTimeline.received, which keeps the records
 
 
 class StepTimeline:
@@ -65,6 +81,10 @@ class StepTimeline:
     def width(self, num_buckets: int) -> int:
         """Values per rank this timeline sends in bucket 0's tail (``0``: off)."""
         return fields_per_rank(num_buckets) if self.enabled else 0
+
+    def riders(self, num_buckets: int) -> list[TimingsRider]:
+        """What this timeline sends in bucket 0's tail (``ddp/tail.py``): none when off."""
+        return [TimingsRider(self, num_buckets)] if self.enabled else []
 
     def outgoing(self, num_buckets: int) -> list[float] | None:
         """Before the step's first bucket launches: this rank's last interval, encoded for its

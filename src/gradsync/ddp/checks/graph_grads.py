@@ -42,18 +42,21 @@ from gradsync.errors import UsageError
 ALL_REDUCE = "all-reduce them as the reduction combines gradients (mean, sum, or / items)"
 
 
-def check_graph_grads(options: SyncOptions, buckets: Sequence[Bucket]) -> None:
+def check_graph_grads(
+    options: SyncOptions, buckets: Sequence[Bucket], taken: str | None = None
+) -> None:
     """At the first gradient of a backward: if it runs with ``create_graph=True`` (in a hook,
     grad mode is on exactly then), refuse it where ``.grad`` cannot keep its graph, else say
-    what the graph is."""
+    what the graph is. ``taken``: why the reducer takes every gradient out of ``.grad``, if
+    it does (the deterministic mode's)."""
     if not torch.is_grad_enabled():
         return
     has_layouts = any(layout is not None for b in buckets for layout in b.layouts)
     why = None
     if options.main_grad_dtype is not None:
         why = "main_grad_dtype= (the gradients are added into the main gradient and freed)"
-    elif options.deterministic is not None:
-        why = "deterministic= (each leaf's gradients are taken into the bucket and freed)"
+    elif taken is not None:
+        why = taken
     elif options.gradient_as_bucket_view:
         why = "gradient_as_bucket_view=True (.grad becomes a view of the bucket)"
     elif has_layouts:

@@ -20,17 +20,14 @@ follow see the same values either way (``tests/unit/test_results.py``).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
 from gradsync.ddp.buckets import Bucket
-from gradsync.ddp.checks import tags
-from gradsync.ddp.checks.tags import StepTag
 from gradsync.ddp.plan import BucketSpec
 from gradsync.ddp.reduction import Reduction
 from gradsync.ddp.tail import TailLayout
-from gradsync.timing import slots
 
 
 class StepReadout(NamedTuple):
@@ -40,8 +37,7 @@ class StepReadout(NamedTuple):
     finite: list[float] | None  # per bucket: no NaN/Inf after the sum (check_finite only)
     local_finite: list[list[float]] | None  # per bucket and slot, on this rank before the sum
     total_items: float  # the window's items over every rank (item_mean only)
-    tags: list[StepTag | None] | None  # every rank's step tag (None: no buckets)
-    timings: list[float]  # every rank's slots of the step timeline (timing/slots.py), if on
+    riders: dict[str, Any]  # each tail rider's decoding of every rank's record, by its name
 
 
 def read_step(
@@ -91,11 +87,9 @@ def _parse(
     for bucket in buckets:
         counts.append(flat[start : start + len(bucket.params)])
         start += len(bucket.params)
-    step_tags, timings = None, []
-    if tail is not None:  # bucket 0's tail: every rank's step tag, and timings if on
-        riders = tail.split(flat[start : start + tail.numel])
-        step_tags = tags.decode(riders[tags.RIDER], world_size)
-        timings = riders.get(slots.RIDER, [])
+    riders = {}
+    if tail is not None:  # bucket 0's tail: every rank's records ([Note: bucket 0's tail])
+        riders = tail.read(flat[start : start + tail.numel])
         start += tail.numel
     finite, local_finite = None, None
     if check_finite:
@@ -106,7 +100,7 @@ def _parse(
             local_finite.append(flat[start : start + len(bucket.params)])
             start += len(bucket.params)
     total_items = flat[start] if reduction.counts_items else 0.0
-    return StepReadout(counts, finite, local_finite, total_items, step_tags, timings)
+    return StepReadout(counts, finite, local_finite, total_items, riders)
 
 
 def unused_somewhere(

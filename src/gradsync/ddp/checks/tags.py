@@ -22,6 +22,11 @@ seam]).
 from __future__ import annotations
 
 from dataclasses import astuple, dataclass
+from typing import Protocol
+
+from gradsync.ddp.checks.param_watch import ParameterWatch
+from gradsync.ddp.reduction import Reduction
+from gradsync.ddp.window import StepWindow
 
 MODULUS = 128
 NUM_FIELDS = 5
@@ -40,6 +45,32 @@ class StepTag:
 
     def encode(self) -> list[float]:
         return [float(v % MODULUS + 1) for v in astuple(self)]
+
+
+class Tagged(Protocol):
+    """What a tag is made of: the reducer's facts of the step it is about to reduce."""
+
+    num_reductions: int
+    window: StepWindow
+    watch: ParameterWatch
+    reduction: Reduction
+
+
+class TagRider:
+    """The step tags' rider in bucket 0's tail (``ddp/tail.py``)."""
+
+    name = RIDER
+    width = NUM_FIELDS
+
+    def encode(self, step: Tagged) -> list[float]:
+        window = step.window
+        flags = PARAMS_CHANGED * bool(window.changes) | NO_ITEMS * step.reduction.missing_count
+        updates = step.watch.updates_since_wrapping()
+        tag = StepTag(step.num_reductions, window.forwards, window.no_sync, updates, flags)
+        return tag.encode()
+
+    def decode(self, values: list[float], world_size: int) -> list[StepTag | None]:
+        return decode(values, world_size)
 
 
 def decode(values: list[float], world_size: int) -> list[StepTag | None]:

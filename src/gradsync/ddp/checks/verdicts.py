@@ -19,6 +19,7 @@ from gradsync.ddp.checks.readout import StepReadout, unused_somewhere
 from gradsync.ddp.checks.tags import (
     NO_ITEMS,
     PARAMS_CHANGED,
+    RIDER,
     StepTag,
     find_desync,
     ranks_with_flag,
@@ -74,8 +75,9 @@ def judge(readout: StepReadout, step: StepContext) -> None:
     """Raise the step's first failed verdict on every rank: desynchronised ranks, a changed
     parameter set or a missing item count (the tags), NaN/Inf gradients, then parameters
     without a gradient. Every rank reads the same ``readout``, so every rank raises the same."""
-    if readout.tags is not None:
-        check_tags(readout.tags, step)
+    step_tags = readout.riders.get(RIDER)  # None without buckets
+    if step_tags is not None:
+        check_tags(step_tags, step)
     if readout.finite is not None and not all(readout.finite):
         assert readout.local_finite is not None  # read together (check_finite)
         here = nonfinite_params(step.specs, readout.local_finite, step.names)

@@ -27,7 +27,7 @@ parameter a later torch adds fails that test until it is handled here.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from typing import Any
@@ -163,6 +163,15 @@ def warn_deprecated(
         )
 
 
+# torch's arguments with no equivalent here: refused, naming what to use instead.
+UNSUPPORTED = (
+    "delay_all_reduce_named_params",
+    "param_to_hook_all_reduce",
+    "mixed_precision",
+    "bucket_cap_mb_list",
+)
+
+
 def refuse_unsupported(
     *,
     delay_all_reduce_named_params: Any,
@@ -205,21 +214,17 @@ def ignored_names(module: nn.Module) -> set[str]:
 
 
 def resolve(
-    module: nn.Module,
-    ignore: AbstractSet[str],
-    device_ids: Any,
-    output_device: Any,
-    broadcast_buffers: bool | None,
-    forward_sync_buffers: bool | None,
-    **unsupported: Any,
+    module: nn.Module, ignore: AbstractSet[str], arguments: Mapping[str, Any]
 ) -> tuple[Placement, bool, bool]:
-    """The wrapper's reading of torch's arguments: where the replica lives, and whether
-    buffers are synchronised before each forward and at construction. Raises ``UsageError``
-    for an argument gradsync refuses (``unsupported``: :func:`refuse_unsupported`'s)."""
-    refuse_unsupported(**unsupported)
+    """The wrapper's reading of torch's arguments among its constructor's ``arguments`` (by
+    name): where the replica lives, and whether buffers are synchronised before each forward
+    and at construction. Raises ``UsageError`` for an argument gradsync refuses
+    (:func:`refuse_unsupported`)."""
+    refuse_unsupported(**{name: arguments[name] for name in UNSUPPORTED})
     trainable = [p for n, p in module.named_parameters() if p.requires_grad and n not in ignore]
-    where = placement(module, trainable, device_ids, output_device)
-    return (where, *buffer_syncing(broadcast_buffers, forward_sync_buffers))
+    where = placement(module, trainable, arguments["device_ids"], arguments["output_device"])
+    buffers, forward_sync = arguments["broadcast_buffers"], arguments["forward_sync_buffers"]
+    return (where, *buffer_syncing(buffers, forward_sync))
 
 
 def to_device(tree: Any, device: torch.device) -> Any:

@@ -136,8 +136,8 @@ class TorchSurface:
 
     # torch's Joinable interface, for torch.distributed.algorithms.join.Join (see join.py)
     def join_hook(self, **kwargs: Any) -> JoinHook:
-        join: Any = self._join  # type: ignore[attr-defined]
-        return join.torch_hook(kwargs.get("divide_by_initial_world_size", True))
+        state: Any = self._state  # type: ignore[attr-defined]
+        return state.join.torch_hook(state, self, kwargs.get("divide_by_initial_world_size", True))
 
     @property
     def join_device(self) -> torch.device:
@@ -155,19 +155,26 @@ class TorchSurface:
 
     # checkpoints: keys are the unwrapped module's, as torch DDP users' loaders expect
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
-        self._parameters_ready()  # type: ignore[attr-defined]
+        self._parameters_ready()
         module: nn.Module = self.module  # type: ignore[attr-defined]
         return module.state_dict(*args, **kwargs)
 
     def load_state_dict(
         self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
     ) -> Any:
-        self._parameters_ready()  # type: ignore[attr-defined]  # a pending all-gather would
-        module: nn.Module = self.module  # type: ignore[attr-defined]  # overwrite what is loaded
+        self._parameters_ready()  # a pending all-gather would overwrite what is loaded
+        module: nn.Module = self.module  # type: ignore[attr-defined]
         own_keys = module.state_dict(keep_vars=True).keys()
         return module.load_state_dict(
             strip_prefixes(state_dict, own_keys), strict=strict, assign=assign
         )
+
+    def _parameters_ready(self) -> None:
+        """Wait for a sharded optimizer's all-gathers in flight; an unpickled wrapper not built
+        yet has none (and is not built for it)."""
+        state = self.__dict__.get("_state")
+        if state is not None:
+            state.parameters_ready()
 
     def train(self, mode: bool = True) -> Any:
         return nn.Module.train(self, mode)  # type: ignore[type-var]
@@ -180,8 +187,8 @@ class TorchSurface:
             return {**state, "arguments": self.__dict__[pickling.LOADED]}
         arguments = self.__dict__[pickling.ARGS]
         mid_step = wrapper.reducer.window.open  # a training forward since the last reduction
-        sharded = self._sharded is not None  # type: ignore[attr-defined]
-        hooked = self._torch_hook is not None  # type: ignore[attr-defined]
+        sharded = self._state.sharded is not None  # type: ignore[attr-defined]
+        hooked = self._state.torch_hook is not None  # type: ignore[attr-defined]
         pickling.check_picklable(arguments, sharded, hooked, mid_step)
         return {**state, "arguments": arguments}
 

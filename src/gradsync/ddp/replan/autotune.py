@@ -83,9 +83,9 @@ from gradsync.failfast.deadline import Deadline
 if TYPE_CHECKING:
     from gradsync.ddp.reducer import Reducer
 
-# The wrapper's switch to buckets ``specs`` planned with a cap of ``cap_mb``: returns the new
-# reducer (see ``DistributedDataParallel._adopt_plan``).
-Adopt = Callable[[list[BucketSpec], "float | None"], "Reducer"]
+# The wrapper's switch to buckets ``specs`` planned with a cap of ``cap_mb``: its reducer lays
+# them out in place (see ``DDPState.adopt_plan`` in ``ddp/state.py``).
+Adopt = Callable[[list[BucketSpec], "float | None"], None]
 
 logger = logging.getLogger("gradsync")
 
