@@ -256,8 +256,17 @@ class SimulatedCluster(SimulatedNetwork):
             argv = self.exec_args(i, cmd)
             out, err = (open(f"{out_dir}/node{i}.{ext}", "wb") for ext in ("out", "err"))
             with out, err:  # the child keeps copies; it leads a process group, to kill as a whole
-                procs.append(subprocess.Popen(argv, env=env, cwd=cwd, stdout=out, stderr=err,
-                    stdin=subprocess.DEVNULL, start_new_session=True))  # fmt: skip
+                procs.append(
+                    subprocess.Popen(
+                        argv,
+                        env=env,
+                        cwd=cwd,
+                        stdout=out,
+                        stderr=err,
+                        stdin=subprocess.DEVNULL,
+                        start_new_session=True,
+                    )
+                )
         return procs, out_dir
 
     @staticmethod
