@@ -23,8 +23,9 @@ from pathlib import Path
 import pytest
 
 from gradsync.data import GlobalBatchSampler
-from gradsync.testing.cluster import SimulatedCluster, _children_of
+from gradsync.testing.cluster import SimulatedCluster
 from gradsync.testing.corpus import CharDataset, generate_corpus
+from gradsync.testing.processes import children_of
 
 AVAILABLE, REASON = SimulatedCluster.available()
 pytestmark = [pytest.mark.skipif(not AVAILABLE, reason=REASON), pytest.mark.timeout(300)]
@@ -67,13 +68,13 @@ def kill_mid_step(cluster: SimulatedCluster, procs: list, out: Path, log: Path) 
     else:
         pytest.fail("no checkpoint of step >= 4 within 150 s")
     time.sleep(0.1)  # into the next step's forward/backward
-    workers = _children_of({procs[0].pid})
+    workers = children_of({procs[0].pid})
     t = {"kill": time.time()}
     cluster.kill_node(procs[1])
-    while _children_of({procs[0].pid}) & workers and procs[0].poll() is None:
+    while children_of({procs[0].pid}) & workers and procs[0].poll() is None:
         time.sleep(0.02)
     t["survivors_exited"] = time.time()
-    while not _children_of({procs[0].pid}) - workers and procs[0].poll() is None:
+    while not children_of({procs[0].pid}) - workers and procs[0].poll() is None:
         time.sleep(0.02)
     t["workers_restarted"] = time.time()
     return t

@@ -52,9 +52,14 @@ def json_line(stdout: str, tag: str) -> dict[str, Any]:
 
 
 def slowest_step_times(
-    model: Any, optimizer: Any, shape: tuple[int, int], vocab_size: int, warmup: int,
-    steps: int, seed: int,
-) -> list[float]:  # fmt: skip
+    model: Any,
+    optimizer: Any,
+    shape: tuple[int, int],
+    vocab_size: int,
+    warmup: int,
+    steps: int,
+    seed: int,
+) -> list[float]:
     """Seconds of each of ``steps`` language-model training steps (after ``warmup``), each the
     slowest rank's: a barrier before, a MAX all-reduce of the elapsed time after."""
     import torch

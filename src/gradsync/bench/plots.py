@@ -45,9 +45,13 @@ def plot_step_vs_bucket(results: Sequence[dict[str, Any]], path: str) -> None:
             label="limit .. no overlap",
         )
         ax.errorbar(xs, ms, yerr=err, marker="o", color="tab:blue", capsize=3, label="gradsync")
-        styles = {"torch_ddp": ("tab:red", "--"), "naive": ("tab:gray", ":"),
-                  "gradsync_auto": ("tab:green", "-."), SCALED: ("tab:purple", "-."),
-                  DEFAULT_CAP: ("tab:orange", "-")}  # fmt: skip
+        styles = {
+            "torch_ddp": ("tab:red", "--"),
+            "naive": ("tab:gray", ":"),
+            "gradsync_auto": ("tab:green", "-."),
+            SCALED: ("tab:purple", "-."),
+            DEFAULT_CAP: ("tab:orange", "-"),
+        }
         for r in rows:
             words = (SCALED, DEFAULT_CAP)
             style = styles.get(r.bucket_cap_mb if r.bucket_cap_mb in words else r.kind)

@@ -282,12 +282,18 @@ def bucket_targets(
     best = min(fixed, key=lambda r: r.step)
     torch_step = row.step / row.ratio_to_torch
     return [
-        (f"{who} <= 0.85x torch DDP default (round by round)", row.paired_to_torch <= 0.85,
-         f"{row.paired_to_torch:.3f}x (medians: {row.ratio_to_torch:.3f}x; no step on this "
-         f"link under {limit / torch_step:.3f}x)"),
-        (f"{who} within 3% of the fastest fixed cap", row.step <= 1.03 * best.step,
-         f"{row.step / best.step:.3f}x {best.name}; {plan or 'its plan not recorded'}"),
-    ]  # fmt: skip
+        (
+            f"{who} <= 0.85x torch DDP default (round by round)",
+            row.paired_to_torch <= 0.85,
+            f"{row.paired_to_torch:.3f}x (medians: {row.ratio_to_torch:.3f}x; no step on this "
+            f"link under {limit / torch_step:.3f}x)",
+        ),
+        (
+            f"{who} within 3% of the fastest fixed cap",
+            row.step <= 1.03 * best.step,
+            f"{row.step / best.step:.3f}x {best.name}; {plan or 'its plan not recorded'}",
+        ),
+    ]
 
 
 def _ms(seconds: float) -> str:

@@ -161,8 +161,10 @@ class HalfPrecisionHook(CommHook):
             work = dist.all_reduce(wire, group=self.group, async_op=True)
             assert work is not None
             size = wire.element_size()
-            for stats, numel in ((self.stats, bucket.grads.numel()),
-                                 (self.exact_stats, tail(bucket).numel())):  # fmt: skip
+            for stats, numel in (
+                (self.stats, bucket.grads.numel()),
+                (self.exact_stats, tail(bucket).numel()),
+            ):
                 stats.calls += 1
                 stats.bytes_sent += all_reduce_wire_bytes(numel, size, 2)
                 stats.bytes_received += all_reduce_wire_bytes(numel, size, 2)

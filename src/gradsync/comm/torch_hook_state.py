@@ -34,9 +34,11 @@ import torch.distributed as dist
 from gradsync.errors import UsageError
 
 _COUNTERS = (
-    "iter", "next_stats_report", "total_numel_before_compression",
+    "iter",
+    "next_stats_report",
+    "total_numel_before_compression",
     "total_numel_after_compression",
-)  # fmt: skip
+)
 _PER_BUCKET = ("error_dict", "p_memory_dict", "q_memory_dict")
 
 
@@ -59,9 +61,11 @@ def state_dict(state: Any, rank: int) -> dict[str, Any]:
     saved = {
         "counters": {c: int(getattr(state, c)) for c in _COUNTERS},
         "rng": (name, torch.from_numpy(keys.astype("int64")), pos, has_gauss, cached),
-        **{d: {int(i): t.detach().cpu().clone() for i, t in getattr(state, d).items()}
-           for d in _PER_BUCKET},
-    }  # fmt: skip
+        **{
+            d: {int(i): t.detach().cpu().clone() for i, t in getattr(state, d).items()}
+            for d in _PER_BUCKET
+        },
+    }
     buf = io.BytesIO()
     torch.save(saved, buf)
     # "torch_hook.iter", the same on every rank, is what a checkpoint loaded into a wrapper

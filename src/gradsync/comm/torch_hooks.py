@@ -51,9 +51,12 @@ class TorchHookAdapter(CommHook):
     the hook, the bucket and the cause, recorded with the deadline for the peers' errors."""
 
     def __init__(
-        self, state: object, hook: Callable[..., Any], deadline: Deadline,
+        self,
+        state: object,
+        hook: Callable[..., Any],
+        deadline: Deadline,
         bucket_numels: Sequence[int],
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.state = state
         self.hook = hook
         self.deadline = deadline

@@ -9,7 +9,8 @@ The optimizers (``optim/``) sit below the wrapper and cannot look it up, yet ``M
 compares its settings across the ranks of the wrapper that holds its parameters ([Note:
 MasterWeights compares settings across ranks] in ``optim/master.py``). The first parameters
 taken over tell ``optim/agree.py`` how to find those ranks: a registration made when a user
-wraps a model, not when gradsync is imported.
+wraps a model, not when gradsync is imported, and removed when the last reducer that took
+parameters over is collected.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
+from torch.utils.hooks import RemovableHandle
 
 from gradsync.failfast.deadline import Deadline
 from gradsync.optim import agree
@@ -40,12 +42,12 @@ class Owner(Protocol):
 
 # id(parameter) -> the live reducer whose hooks it carries.
 _owners: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
-_finder_added = False  # agree knows how to find a wrapper's ranks
+_finder: RemovableHandle | None = None  # agree's finder of a wrapper's ranks, while installed
+_num_reducers = 0  # live reducers that took parameters over (each one's finalizer counts it out)
 
 
 def take_over(reducer: Owner) -> None:
     """Make ``reducer`` the owner of its parameters, retiring any other that had them."""
-    global _finder_added
     for p in reducer.params:
         previous = _owners.get(id(p))
         if previous is not None and previous is not reducer:
@@ -53,9 +55,24 @@ def take_over(reducer: Owner) -> None:
             same_wrapper = previous.deadline is reducer.deadline
             previous.retire(None if same_wrapper else f"wrapped again at {_caller()}")
         _owners[id(p)] = reducer
-    if not _finder_added:
-        agree.add_peer_finder(_wrapper_peers)
-        _finder_added = True
+    _hold_finder(reducer)
+
+
+def _hold_finder(reducer: Owner) -> None:
+    """Keep agree's finder of a wrapper's ranks registered while ``reducer`` lives."""
+    global _finder, _num_reducers
+    if _finder is None:
+        _finder = agree.add_peer_finder(_wrapper_peers)
+    _num_reducers += 1
+    weakref.finalize(reducer, _release_finder)
+
+
+def _release_finder() -> None:
+    global _finder, _num_reducers
+    _num_reducers -= 1
+    if _num_reducers == 0 and _finder is not None:
+        _finder.remove()
+        _finder = None
 
 
 def _caller() -> str:

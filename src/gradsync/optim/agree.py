@@ -35,12 +35,14 @@ replicas). On NCCL the result is read on the host: one synchronisation per step.
 from __future__ import annotations
 
 import hashlib
+from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.utils.hooks import RemovableHandle
 
 from gradsync import errors
 from gradsync.errors import GradsyncError, UsageError
@@ -81,20 +83,26 @@ def dist_peers(group: dist.ProcessGroup | None, device: torch.device) -> Peers:
 
 
 PeerFinder = Callable[[Sequence[torch.Tensor]], "Peers | None"]
-_FINDERS: list[PeerFinder] = []
+# By the id of the handle that removes each (an OrderedDict, as torch's hook registries: a
+# RemovableHandle refers to its registry weakly, and a plain dict cannot be).
+_FINDERS: OrderedDict[int, PeerFinder] = OrderedDict()
 
 
-def add_peer_finder(finder: PeerFinder) -> None:
+def add_peer_finder(finder: PeerFinder) -> RemovableHandle:
     """How a data-parallel wrapper tells the optimizers here, which sit below it and cannot
-    look it up, over which ranks it replicates some parameters (``ddp/sharding.py`` adds the
-    gradsync wrapper's): ``finder(params)`` gives the :class:`Peers`, or ``None``."""
-    _FINDERS.append(finder)
+    look it up, over which ranks it replicates some parameters (``ddp/owners.py`` adds the
+    gradsync wrapper's): ``finder(params)`` gives the :class:`Peers`, or ``None``. The wrapper
+    removes it with the handle returned (as torch's hooks) when its last model goes."""
+    handle = RemovableHandle(_FINDERS)
+    _FINDERS[handle.id] = finder
+    return handle
 
 
 def peers_of(params: Sequence[torch.Tensor]) -> Peers | None:
     """The peers of a replicated optimizer of ``params`` (``None``: no wrapper holds them, or
     it has one rank)."""
-    return next((peers for f in _FINDERS if (peers := f(params)) is not None), None)
+    finders = list(_FINDERS.values())
+    return next((peers for f in finders if (peers := f(params)) is not None), None)
 
 
 MAX_LINES = 6  # differences named in one error

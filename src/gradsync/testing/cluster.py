@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -43,7 +42,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from gradsync.errors import LaunchError
-from gradsync.testing.netns import SimulatedNetwork, kill_pids
+from gradsync.testing.netns import SimulatedNetwork
+from gradsync.testing.processes import kill_tree, terminate
 
 DESCRIPTION = """\
 Run a torch.distributed script with torchrun across simulated nodes (network namespaces joined by
@@ -95,40 +95,6 @@ def _launch_error(results: list[NodeResult]) -> LaunchError:
     err = LaunchError("launch failed:\n" + "\n".join(parts))
     err.results = results
     return err
-
-
-def _children_of(pids: set[int]) -> set[int]:
-    """All live descendants of ``pids``, found through ``/proc`` parent links.
-
-    torchrun starts its workers in new sessions (``start_new_session=True``), so killing the
-    launcher's process group misses them; walking the process tree finds exactly those.
-    """
-    parent_of: dict[int, int] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        # Field 4 (ppid) follows the parenthesised command name, which may contain spaces.
-        fields = stat.rsplit(")", 1)[-1].split()
-        if len(fields) > 1:
-            parent_of[int(entry)] = int(fields[1])
-    found: set[int] = set()
-    frontier = set(pids)
-    while frontier:
-        frontier = {c for c, p in parent_of.items() if p in frontier and c not in found}
-        found |= frontier
-    return found
-
-
-def _killpg(pgid: int, sig: signal.Signals) -> None:
-    try:
-        os.killpg(pgid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 def _read_text(path: str) -> str:
@@ -258,7 +224,7 @@ class SimulatedCluster(SimulatedNetwork):
             # Live processes here only after an exception (e.g. Ctrl-C): end them too.
             live = [p for p in procs if p.poll() is None]
             if live:
-                self._terminate(live, 0.0)
+                terminate(live, 0.0)
         results = []
         for i, (cmd, p) in enumerate(zip(cmds, procs, strict=True)):
             out, err = (_read_text(f"{out_dir}/node{i}.{ext}") for ext in ("out", "err"))
@@ -290,18 +256,24 @@ class SimulatedCluster(SimulatedNetwork):
             argv = self.exec_args(i, cmd)
             out, err = (open(f"{out_dir}/node{i}.{ext}", "wb") for ext in ("out", "err"))
             with out, err:  # the child keeps copies; it leads a process group, to kill as a whole
-                procs.append(subprocess.Popen(argv, env=env, cwd=cwd, stdout=out, stderr=err,
-                    stdin=subprocess.DEVNULL, start_new_session=True))  # fmt: skip
+                procs.append(
+                    subprocess.Popen(
+                        argv,
+                        env=env,
+                        cwd=cwd,
+                        stdout=out,
+                        stderr=err,
+                        stdin=subprocess.DEVNULL,
+                        start_new_session=True,
+                    )
+                )
         return procs, out_dir
 
     @staticmethod
     def kill_node(proc: subprocess.Popen[bytes]) -> None:
         """SIGKILL a node :meth:`start` started, as a power loss would: its process group and all
         its descendants (workers run in sessions of their own); then reap it."""
-        tree = _children_of({proc.pid})
-        _killpg(proc.pid, signal.SIGKILL)
-        kill_pids(tree, signal.SIGKILL)
-        proc.wait()
+        kill_tree(proc)
 
     def _wait_all(
         self,
@@ -327,29 +299,13 @@ class SimulatedCluster(SimulatedNetwork):
                 if not failed_peer:
                     timed_out.update(live)
                 killed.update(live)
-                self._terminate([procs[i] for i in live], kill_grace_s)
+                terminate([procs[i] for i in live], kill_grace_s)
                 end = time.monotonic()
                 for i in live:
                     ends[i] = end
                 break
             time.sleep(0.02)
         return ends, timed_out, killed
-
-    @staticmethod
-    def _terminate(procs: list[subprocess.Popen[bytes]], grace_s: float) -> None:
-        """SIGTERM each launcher's group, then SIGKILL group and descendants after ``grace_s``."""
-        tree = _children_of({p.pid for p in procs})
-        for p in procs:
-            _killpg(p.pid, signal.SIGTERM)
-        deadline = time.monotonic() + grace_s
-        while time.monotonic() < deadline and any(p.poll() is None for p in procs):
-            time.sleep(0.02)
-        tree |= _children_of({p.pid for p in procs} | tree)
-        for p in procs:
-            _killpg(p.pid, signal.SIGKILL)
-        kill_pids(tree, signal.SIGKILL)
-        for p in procs:
-            p.wait()
 
 
 # --------------------------------------------------------------- the `gradsync cluster` command

@@ -37,6 +37,7 @@ from types import FrameType, TracebackType
 from typing import Any, TypeVar
 
 from gradsync.errors import ClusterError
+from gradsync.testing.processes import kill_pids
 
 #: Fraction of a tc rate that is TCP payload at MTU 1500 (1448 payload bytes per 1514-byte
 #: frame; pitfall 5). Use it to turn a link rate into the bound a transfer can reach.
@@ -85,15 +86,6 @@ def _batch(tool: str, ns: str, lines: list[str]) -> None:
             f"{os.path.basename(tool)} -n {ns} -batch failed ({proc.returncode}): "
             f"{proc.stderr.strip()}\nbatch was:\n" + "\n".join(lines)
         )
-
-
-def kill_pids(pids: set[int], sig: signal.Signals) -> None:
-    """Send ``sig`` to each of ``pids``, skipping those already gone."""
-    for pid in pids:
-        try:
-            os.kill(pid, sig)
-        except (ProcessLookupError, PermissionError):
-            pass
 
 
 class SimulatedNetwork:

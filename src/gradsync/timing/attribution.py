@@ -156,10 +156,14 @@ def _stall(
         return None
     phase, excess = _phase(steps, rank, stalled)
     return {
-        "rank": rank, "phase": phase, "late_in": len(stalled), "of": len(steps),
-        "late_ms": lost / len(stalled), "phase_excess_ms": excess,
+        "rank": rank,
+        "phase": phase,
+        "late_in": len(stalled),
+        "of": len(steps),
+        "late_ms": lost / len(stalled),
+        "phase_excess_ms": excess,
         "job_lost_pct": 100.0 * lost / window_ms,
-    }  # fmt: skip
+    }
 
 
 def attribute(window: Window, thresholds: Thresholds = Thresholds()) -> dict[str, Any]:
@@ -180,20 +184,31 @@ def attribute(window: Window, thresholds: Thresholds = Thresholds()) -> dict[str
         persistent = entry["late_in"] >= max(1, thresholds.min_share * len(steps))
         if persistent and entry["late_ms"] >= floor:
             phase, excess = _phase(steps, r, late_in[r])
-            stragglers.append({
-                "rank": r, "phase": phase, "late_in": entry["late_in"], "of": len(steps),
-                "late_ms": entry["late_ms"], "phase_excess_ms": excess,
-                "job_lost_pct": 100.0 * entry["late_ms"] / step_ms if step_ms else 0.0,
-            })  # fmt: skip
+            stragglers.append(
+                {
+                    "rank": r,
+                    "phase": phase,
+                    "late_in": entry["late_in"],
+                    "of": len(steps),
+                    "late_ms": entry["late_ms"],
+                    "phase_excess_ms": excess,
+                    "job_lost_pct": 100.0 * entry["late_ms"] / step_ms if step_ms else 0.0,
+                }
+            )
         elif stall := _stall(steps, r, late_in.get(r, {}), window_ms, thresholds):
             stalls.append(stall)
     stragglers.sort(key=lambda s: -s["late_ms"])
     stalls.sort(key=lambda s: -s["job_lost_pct"])
     return {
-        "steps": [steps[0][0], steps[-1][0]] if steps else [], "num_steps": len(steps),
-        "step_ms": step_ms, "window_ms": window_ms, "threshold_ms": floor,
-        "stragglers": stragglers, "stalls": stalls, "ranks": ranks,
-    }  # fmt: skip
+        "steps": [steps[0][0], steps[-1][0]] if steps else [],
+        "num_steps": len(steps),
+        "step_ms": step_ms,
+        "window_ms": window_ms,
+        "threshold_ms": floor,
+        "stragglers": stragglers,
+        "stalls": stalls,
+        "ranks": ranks,
+    }
 
 
 def describe(report: dict[str, Any]) -> list[str]:
@@ -218,9 +233,11 @@ def metrics(report: dict[str, Any], prefix: str = "gradsync/") -> dict[str, floa
     out = {f"{prefix}num_steps": float(report["num_steps"])}
     if not report["num_steps"]:
         return out
-    out |= {f"{prefix}step_ms": float(report["step_ms"]),
-            f"{prefix}stragglers": float(len(report["stragglers"])),
-            f"{prefix}stalls": float(len(report["stalls"]))}  # fmt: skip
+    out |= {
+        f"{prefix}step_ms": float(report["step_ms"]),
+        f"{prefix}stragglers": float(len(report["stragglers"])),
+        f"{prefix}stalls": float(len(report["stalls"])),
+    }
     for r, entry in report["ranks"].items():
         for key, value in entry.items():
             if isinstance(value, (int, float)):

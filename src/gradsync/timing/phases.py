@@ -33,6 +33,7 @@ from torch.optim.optimizer import (
     register_optimizer_step_post_hook,
     register_optimizer_step_pre_hook,
 )
+from torch.utils.hooks import RemovableHandle
 
 from gradsync.timing.clock import DeviceClock, HostClock
 
@@ -189,17 +190,32 @@ class PhaseRecorder:
         return RankStep(tuple(sums[p] for p in PHASES), times)
 
 
-# The optimizer's step is timed with torch's global step hooks, installed with the first
-# recorder, which tell every live recorder (a process usually has one wrapper). A step that
-# raises never reaches the post hook: the same optimizer's next step starts over.
+# The optimizer's step is timed with torch's global step hooks, installed with the first live
+# recorder and removed with the last, which tell every live recorder (a process usually has one
+# wrapper). A step that raises never reaches the post hook: the same optimizer's next step
+# starts over.
 _live: weakref.WeakSet[PhaseRecorder] = weakref.WeakSet()
+_hooks: list[RemovableHandle] = []  # torch's handles of the two global hooks, while installed
+_num_live = 0  # live recorders (each one's finalizer counts it out)
 
 
 def _listen(recorder: PhaseRecorder) -> None:
-    if not _live and not _hooks:
+    global _num_live
+    if not _hooks:
         _hooks.append(register_optimizer_step_pre_hook(_pre_step))
         _hooks.append(register_optimizer_step_post_hook(_post_step))
     _live.add(recorder)
+    _num_live += 1
+    weakref.finalize(recorder, _unlisten)
+
+
+def _unlisten() -> None:
+    global _num_live
+    _num_live -= 1
+    if _num_live == 0:
+        for handle in _hooks:
+            handle.remove()
+        _hooks.clear()
 
 
 def _pre_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
@@ -210,6 +226,3 @@ def _pre_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
 def _post_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     for recorder in list(_live):
         recorder.optimizer_ended(optimizer)
-
-
-_hooks: list[Any] = []  # torch's handles of the two global hooks, once installed

@@ -135,5 +135,9 @@ class StepTimeline:
             logger.info(
                 "gradsync: no straggler in steps %d-%d (median step %.1f ms, threshold %.1f ms; "
                 "the most the job lost waiting for one rank: %.0f%% of its time)",
-                first, last, report["step_ms"], report["threshold_ms"], lost,
-            )  # fmt: skip
+                first,
+                last,
+                report["step_ms"],
+                report["threshold_ms"],
+                lost,
+            )

@@ -93,9 +93,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--tp", type=_count, default=1, help="tensor-parallel ranks (built-in GPT only)"
     )
     parser.add_argument(
-        "--cp", type=_count, default=1, help="context-parallel ranks (built-in GPT only); dp is "
-        "the world size / (cp * tp)",
-    )  # fmt: skip
+        "--cp",
+        type=_count,
+        default=1,
+        help="context-parallel ranks (built-in GPT only); dp is the world size / (cp * tp)",
+    )
     parser.add_argument(
         "--tolerance",
         type=_non_negative,
@@ -221,7 +223,7 @@ def _run_mesh(args: argparse.Namespace) -> int:
         f"--{name}"
         for name in ("model", "batches", "loss", "inject", "steps_per_epoch", "deterministic")
         if getattr(args, name) != getattr(d, name)
-    ]  # fmt: skip
+    ]
     try:
         if custom:
             raise ValueError(
@@ -229,10 +231,14 @@ def _run_mesh(args: argparse.Namespace) -> int:
                 f"it); drop {', '.join(custom)}"
             )
         report = mesh.MeshReport(
-            mesh.check_layout(args.world_size, args.cp, args.tp), args.steps, args.optimizer,
-            mesh.default_lr(args.optimizer, args.lr), args.reduction, args.bucket_cap_mb,
+            mesh.check_layout(args.world_size, args.cp, args.tp),
+            args.steps,
+            args.optimizer,
+            mesh.default_lr(args.optimizer, args.lr),
+            args.reduction,
+            args.bucket_cap_mb,
             args.tolerance,
-        )  # fmt: skip
+        )
     except ValueError as exc:
         print(f"gradsync verify: error: {exc}", file=sys.stderr)
         return 2

@@ -52,12 +52,17 @@ def check_layout(world_size: int, cp: int, tp: int) -> mesh_run.Layout:
     layout = mesh_run.Layout(dp=world_size // (cp * tp), cp=cp, tp=tp)
     n_head = builtin.make_model().cfg.n_head
     problems = [
-        (builtin.GLOBAL_BATCH % layout.dp, f"dp = {layout.dp} does not divide the built-in "
-         f"global batch of {builtin.GLOBAL_BATCH} sequences"),
-        (builtin.BLOCK_SIZE % cp, f"--cp {cp} does not divide the built-in sequence length "
-         f"{builtin.BLOCK_SIZE}"),
+        (
+            builtin.GLOBAL_BATCH % layout.dp,
+            f"dp = {layout.dp} does not divide the built-in "
+            f"global batch of {builtin.GLOBAL_BATCH} sequences",
+        ),
+        (
+            builtin.BLOCK_SIZE % cp,
+            f"--cp {cp} does not divide the built-in sequence length {builtin.BLOCK_SIZE}",
+        ),
         (n_head % tp, f"--tp {tp} does not divide the built-in GPT's {n_head} attention heads"),
-    ]  # fmt: skip
+    ]
     for bad, why in problems:
         if bad:
             raise ValueError(why)
@@ -89,9 +94,11 @@ def _rank(rank: int, world: int, report: MeshReport, seed: int) -> list | None:
     cfg = builtin.make_model().cfg
     model = mesh_run.make_model(cfg, mesh, seed=seed + index, dtype=torch.float32)
     ddp = DistributedDataParallel(
-        model, device_mesh=mesh_run.data_parallel_mesh(mesh), bucket_cap_mb=report.bucket_cap_mb,
+        model,
+        device_mesh=mesh_run.data_parallel_mesh(mesh),
+        bucket_cap_mb=report.bucket_cap_mb,
         reduction=report.reduction,
-    )  # fmt: skip
+    )
     opt = _optimizer(report.optimizer, report.lr, ddp.parameters())
     steps = []
     for step in range(report.steps):
