@@ -1,5 +1,6 @@
 """In-process recovery: a lost rank does not end the job.
 
+- ``notice.py``: a lost peer, recognised by the type of what the step raised.
 - ``membership.py``: the survivors agree, through the store, on one membership.
 - ``rollback.py``: what a step changes, kept so that the interrupted step can be redone.
 - ``regroup.py``: new process groups for the survivors, in the same processes.

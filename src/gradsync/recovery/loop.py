@@ -11,10 +11,11 @@ A training loop gains recovery by running each step inside the step objects that
             optimizer.step(); scheduler.step(); optimizer.zero_grad()
 
 When a peer is lost inside a step, the collective that needed it raises on the survivors; the
-``with`` block catches that, and the survivors agree on who goes on (``membership.py``), roll
-back to the start of the step (``rollback.py``), build new groups in the same processes
-(``regroup.py``), re-split the same global batch over themselves, and the loop hands out the
-same step again. Everything else the block raises goes on up, unchanged.
+``with`` block catches that (recognised by its type, ``notice.py``), and the survivors agree on
+who goes on (``membership.py``), roll back to the start of the step (``rollback.py``), build new
+groups in the same processes (``regroup.py``), re-split the same global batch over themselves,
+and the loop hands out the same step again. Everything else the block raises goes on up,
+unchanged.
 """
 
 from __future__ import annotations
@@ -46,20 +47,11 @@ from gradsync.recovery.membership import (
     processes,
     publish_process,
 )
+from gradsync.recovery.notice import lost_a_peer
 from gradsync.recovery.regroup import close_groups, job_store, regroup
 from gradsync.recovery.rollback import StepStart, UndoLog
 
 ADMIT_EVERY = 10  # steps between two looks for an offer to replacements (heal.py)
-
-
-def _lost_a_peer(exc: BaseException) -> bool:
-    """Whether ``exc`` is how a collective ends when a peer is lost: gradsync's deadline error,
-    or the backend's own (torch raises ``DistError`` subclasses, gloo plain ``RuntimeError``
-    naming its transport)."""
-    if isinstance(exc, (CollectiveTimeoutError, dist.DistError)):
-        return True
-    text = str(exc)
-    return type(exc) is RuntimeError and ("gloo" in text or "Connection" in text)
 
 
 class Step:
@@ -104,7 +96,7 @@ class Step:
             self.recovery._completed(self)
             self.completed = True
             return False
-        if not _lost_a_peer(exc):
+        if not lost_a_peer(exc):
             return False
         self.recovery._recover(self, exc)
         return True  # the loop hands out the step to redo
