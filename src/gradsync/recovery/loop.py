@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import os
 import time
+import weakref
 from collections.abc import Iterator
 from dataclasses import replace
 from typing import Any
@@ -152,6 +153,8 @@ class Recovery:
         # steps completed, over all epochs (a sampler loaded from a checkpoint says how many)
         self.completed = sampler.epoch * sampler.steps_per_epoch + sampler.step
         self.undo = UndoLog(optimizer)
+        # The hook on the user's optimizer goes with this object (the undo copy is its only use).
+        weakref.finalize(self, self.undo.remove)
         self._starts: dict[int, StepStart] = {}
         join = join if join is not None else joining()
         # kept: it outlives every group; a replacement joins with GRADSYNC_JOIN=store_address
@@ -160,7 +163,7 @@ class Recovery:
         self._redoing: int | None = None  # the change whose redone step is under way
         self._offer: heal.Offer | None = None  # the admission offered to replacements
         self._next_poll = 0.0  # when rank 0 next looks for replacements' tickets
-        watch_for_regroups(self)
+        watch_for_regroups(self)  # held weakly: deadlines stop watching once this object goes
         if join:
             self._join(join_timeout)
             return
