@@ -274,10 +274,10 @@ class Recovery:
 
     def _regroup_to(self, new: Membership, backend: str) -> None:
         self.membership, self._offer = new, None
-        regroup(self.store, self._generation_key(), new.rank, new.world_size, backend,
-                self.model.options.timeout)  # fmt: skip
-        publish_process(self.store, self._generation_key(), new.rank)
-        self._peers = processes(self.store, self._generation_key(), new.world_size)
+        scope, timeout = self._generation_key(), self.model.options.timeout
+        regroup(self.store, scope, new.rank, new.world_size, backend, timeout)
+        publish_process(self.store, scope, new.rank)
+        self._peers = processes(self.store, scope, new.world_size)
 
     def _continue_on_the_new_group(self, from_rank_0: bool = False) -> None:
         """The wrapper (its replicas checked equal, or made rank 0's), the checkpointer and
