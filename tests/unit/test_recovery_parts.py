@@ -18,12 +18,12 @@ from gradsync.data import GlobalBatchSampler
 from gradsync.failfast import liveness
 from gradsync.failfast.deadline import wait_watching
 from gradsync.failfast.liveness import ProcessId, process_state, this_process
-from gradsync.recovery import Membership, NoRecoveryError, RankExcludedError, Recovery
+from gradsync.recovery import Membership, NoRecoveryError, RankExcludedError, Recovery, Report
 from gradsync.recovery.membership import agree
 from gradsync.recovery.rollback import StepStart, UndoLog
 
 
-def _agree_all(store: dist.Store, reports: dict[int, dict], windows: dict[int, float]) -> dict:
+def _agree_all(store: dist.Store, reports: dict[int, Report], windows: dict[int, float]) -> dict:
     """Run agree() for each rank in ``reports`` on its own thread; rank -> result or error."""
     current = Membership(0, (0, 1, 2), 0, {})
     peers = {r: None for r in range(3)}  # another host: no process to look at
@@ -46,21 +46,22 @@ def _agree_all(store: dist.Store, reports: dict[int, dict], windows: dict[int, f
 
 def test_survivors_that_answer_agree_on_one_membership_and_new_ranks() -> None:
     store = dist.HashStore()
-    out = _agree_all(store, {0: {"done": 5}, 2: {"done": 6}}, {0: 0.5, 2: 0.5})
+    five, six = Report(5, "backward"), Report(6, "forward")
+    out = _agree_all(store, {0: five, 2: six}, {0: 0.5, 2: 0.5})
     (m0, lost0), (m2, lost2) = out[0], out[2]  # type: ignore[misc]
     assert m0.members == m2.members == (0, 2)
     assert (m0.rank, m2.rank, m0.generation, m0.world_size) == (0, 1, 1, 2)
-    assert m0.reports == {0: {"done": 5}, 2: {"done": 6}} and set(lost0) == set(lost2) == {1}
+    assert m0.reports == m2.reports == {0: five, 2: six} and set(lost0) == set(lost2) == {1}
 
 
 def test_a_survivor_that_answers_after_the_decision_is_left_out_not_split_off() -> None:
     """Rank 0 decides alone after a short window; rank 2, slower to answer, must not go on
     with a group of its own: it reads the decision and is told it was left out."""
     store = dist.HashStore()
-    out = _agree_all(store, {0: {"done": 5}}, {0: 0.05})
+    out = _agree_all(store, {0: Report(5, "forward")}, {0: 0.05})
     membership, _ = out[0]  # type: ignore[misc]
     assert membership.members == (0,)
-    late = _agree_all(store, {2: {"done": 5}}, {2: 0.05})[2]
+    late = _agree_all(store, {2: Report(5, "forward")}, {2: 0.05})[2]
     assert isinstance(late, RankExcludedError) and "answered after the others" in str(late)
 
 
@@ -69,7 +70,7 @@ def test_a_silent_rank_seen_alive_on_this_host_sends_everyone_to_the_restart_pat
     me = Membership(0, (0, 1), 0, {})
     alive = this_process()  # rank 1 "is" this very process: running, and silent
     with pytest.raises(NoRecoveryError, match="alive but did not answer"):
-        agree(store, "s", me, {"done": 1}, {0: None, 1: alive}, 0.05)
+        agree(store, "s", me, Report(1, "forward"), {0: None, 1: alive}, 0.05)
 
 
 def _adam_and_params() -> tuple[nn.Linear, torch.optim.Optimizer]:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 import pickle
 import time
+import weakref
 from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any, Protocol
@@ -57,11 +58,15 @@ class RegroupWatch(Protocol):
         """Whether another rank has begun a regroup: stop waiting for a collective."""
 
 
-_watch: RegroupWatch | None = None
+# The watches of this process, newest last. Held weakly: a watch is a Recovery, which holds a
+# store client and a copy of the parameters; a strong reference here kept them for the life of
+# the process, and every later wait looked at that store. Gone with the last Recovery.
+_watches: list[weakref.ref[RegroupWatch]] = []
 
 
-def watch_for_regroups(watch: RegroupWatch | None) -> None:
-    """Make every deadline of this process give up a wait once ``watch`` says a regroup began.
+def watch_for_regroups(watch: RegroupWatch) -> None:
+    """Make every deadline of this process give up a wait once ``watch`` says a regroup began,
+    for as long as ``watch`` lives (it is held weakly; the newest live watch is asked).
 
     [Note: waking a survivor]
     When a rank dies, only the ranks that exchange data with it directly see their connection
@@ -70,8 +75,21 @@ def watch_for_regroups(watch: RegroupWatch | None) -> None:
     the store between slices: one ``check`` per 50 ms of waiting, nothing for a collective that
     is done when it is waited for (the common case at the end of an overlapped backward). The
     failed rank's own roll call is left to the regroup's, which holds one anyway."""
-    global _watch
-    _watch = watch
+    _watches.append(weakref.ref(watch, _forget))
+
+
+def _forget(gone: weakref.ref[RegroupWatch]) -> None:
+    """Called by the garbage collector, on whatever thread it runs, when a watch is freed."""
+    _watches[:] = [ref for ref in _watches if ref is not gone]
+
+
+def _current_watch() -> RegroupWatch | None:
+    """The watch deadlines look at now: the newest that lives, or ``None``."""
+    for ref in reversed(_watches):
+        watch = ref()
+        if watch is not None:
+            return watch
+    return None
 
 
 def wait_watching(
@@ -99,11 +117,12 @@ def wait_watching(
 
 def regroup_begun() -> bool:
     """Whether a regroup has begun that this process should stop waiting for peers for."""
-    return _watch is not None and _watch.begun()
+    watch = _current_watch()
+    return watch is not None and watch.begun()
 
 
 def watching() -> bool:
-    return _watch is not None
+    return _current_watch() is not None
 
 
 _CULPRITS = (
@@ -233,12 +252,12 @@ class Deadline:
         timeout blocks the host until the GPU is done, once per bucket, which would stall the
         launch of the rest of backward; there the process group's own timeout is the deadline.
         """
-        start = time.monotonic()
+        start, watch = time.monotonic(), _current_watch()
         try:
             if not host_deadline:
                 handle.wait()
-            elif _watch is not None and hasattr(handle, "is_completed"):
-                wait_watching(handle, _watch, self.timeout, start)
+            elif watch is not None and hasattr(handle, "is_completed"):
+                wait_watching(handle, watch, self.timeout, start)
             else:
                 handle.wait(timeout=self.timeout)
         except RuntimeError as exc:
@@ -275,7 +294,7 @@ class Deadline:
             how = f"gave up waiting for {what} ({self.where}) after {waited:.1f} s"
         # Who is missing, and who died: the roll call takes what is left of the deadline, at
         # most a couple of seconds (peers that fail with this rank answer within milliseconds).
-        roll_call_s = 0.0 if _watch else min(_ROLL_CALL_S, max(limit - waited, 0.0))
+        roll_call_s = 0.0 if watching() else min(_ROLL_CALL_S, max(limit - waited, 0.0))
         where = self.arrivals.after_failure(self.seq, self.where, roll_call_s)
         self.failure = f"rank {self.rank} {how}; {where}. (backend: {cause})"
         error = CollectiveTimeoutError(f"{self.failure} {_CULPRITS}")

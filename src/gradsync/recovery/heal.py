@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
@@ -44,6 +45,37 @@ class JoinError(GradsyncError, RuntimeError):
     """A replacement could not join the running job (the message says why)."""
 
 
+@dataclass(frozen=True)
+class Offer:
+    """Rank 0's offer, under a generation's name in the store: admit ``tickets`` at ``step``."""
+
+    step: int
+    """The step at whose start the members and the newcomers switch (step ``a`` of the note)."""
+    tickets: tuple[int, ...]
+    """The tickets to admit, in their order."""
+
+
+@dataclass(frozen=True)
+class Admission:
+    """What rank 0 tells each admitted ticket: the generation it joins and its place in it."""
+
+    namespace: str
+    """The job's keys in the store (drawn at the job's start)."""
+    generation: int
+    """The generation the members and the newcomers form."""
+    members: int
+    """How many members stay: they keep ranks ``0 .. members - 1``."""
+    tickets: tuple[int, ...]
+    """The tickets admitted, ranked after the members in this order."""
+
+    @property
+    def world_size(self) -> int:
+        return self.members + len(self.tickets)
+
+    def rank_of(self, ticket: int) -> int:
+        return self.members + self.tickets.index(ticket)
+
+
 def ask(store: dist.Store) -> int:
     """Take a ticket to join; the job admits tickets in their order."""
     ticket = int(store.add(_TICKETS, 1))
@@ -51,32 +83,34 @@ def ask(store: dist.Store) -> int:
     return ticket
 
 
-def asked(store: dist.Store, tickets: list[int]) -> float:
+def asked(store: dist.Store, tickets: tuple[int, ...]) -> float:
     """When the first of ``tickets`` was taken (``time.time()`` of its process)."""
     return min(float(store.get(f"gradsync/join/{t}/asked")) for t in tickets)
 
 
-def waiting(store: dist.Store) -> list[int]:
+def waiting(store: dist.Store) -> tuple[int, ...]:
     """Tickets taken and not yet admitted."""
     taken, admitted = int(store.add(_TICKETS, 0)), int(store.add(_ADMITTED, 0))
-    return list(range(admitted + 1, taken + 1))
+    return tuple(range(admitted + 1, taken + 1))
 
 
-def offer(store: dist.Store, scope: str, at_step: int, tickets: list[int]) -> None:
-    store.set(f"gradsync/recovery/{scope}/offer", json.dumps({"step": at_step, "tickets": tickets}))
+def offer(store: dist.Store, scope: str, made: Offer) -> None:
+    store.set(f"gradsync/recovery/{scope}/offer", json.dumps(asdict(made)))
 
 
-def offered(store: dist.Store, scope: str) -> dict[str, Any] | None:
+def offered(store: dist.Store, scope: str) -> Offer | None:
     key = f"gradsync/recovery/{scope}/offer"
-    return json.loads(store.get(key)) if store.check([key]) else None
+    if not store.check([key]):
+        return None
+    made = json.loads(store.get(key))
+    return Offer(made["step"], tuple(made["tickets"]))
 
 
-def admit(store: dist.Store, tickets: list[int], admission: dict[str, Any]) -> None:
-    """Tell each admitted ticket its place (``admission`` plus its rank): rank 0 does."""
-    first = admission["world_size"] - len(tickets)
-    for i, ticket in enumerate(tickets):
-        store.set(f"gradsync/join/{ticket}", json.dumps({**admission, "rank": first + i}))
-    store.add(_ADMITTED, len(tickets))
+def admit(store: dist.Store, admission: Admission) -> None:
+    """Tell each admitted ticket the generation it joins: rank 0 does."""
+    for ticket in admission.tickets:
+        store.set(f"gradsync/join/{ticket}", json.dumps(asdict(admission)))
+    store.add(_ADMITTED, len(admission.tickets))
 
 
 def close(store: dist.Store) -> None:
@@ -84,7 +118,7 @@ def close(store: dist.Store) -> None:
     store.set(_CLOSED, "1")
 
 
-def wait_for_admission(store: dist.Store, ticket: int, timeout: float) -> dict[str, Any]:
+def wait_for_admission(store: dist.Store, ticket: int, timeout: float) -> Admission:
     key = f"gradsync/join/{ticket}"
     give_up = time.monotonic() + timeout
     while not store.check([key]):
@@ -93,7 +127,8 @@ def wait_for_admission(store: dist.Store, ticket: int, timeout: float) -> dict[s
         if time.monotonic() > give_up:
             raise JoinError(f"ticket {ticket}: not admitted within {timeout:g} s")
         time.sleep(0.05)
-    return json.loads(store.get(key))
+    admission = json.loads(store.get(key))
+    return Admission(**{**admission, "tickets": tuple(admission["tickets"])})
 
 
 def transfer_state(

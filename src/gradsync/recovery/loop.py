@@ -11,18 +11,20 @@ A training loop gains recovery by running each step inside the step objects that
             optimizer.step(); scheduler.step(); optimizer.zero_grad()
 
 When a peer is lost inside a step, the collective that needed it raises on the survivors; the
-``with`` block catches that, and the survivors agree on who goes on (``membership.py``), roll
-back to the start of the step (``rollback.py``), build new groups in the same processes
-(``regroup.py``), re-split the same global batch over themselves, and the loop hands out the
-same step again. Everything else the block raises goes on up, unchanged.
+``with`` block catches that (recognised by its type, ``notice.py``), and the survivors agree on
+who goes on (``membership.py``), roll back to the start of the step (``rollback.py``), build new
+groups in the same processes (``regroup.py``), re-split the same global batch over themselves,
+and the loop hands out the same step again. Everything else the block raises goes on up,
+unchanged.
 """
 
 from __future__ import annotations
 
-import logging
 import os
 import time
+import weakref
 from collections.abc import Iterator
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -36,30 +38,30 @@ from gradsync.errors import CollectiveTimeoutError, GradsyncError, UsageError, f
 from gradsync.failfast.deadline import wait_watching, watch_for_regroups
 from gradsync.recovery import heal
 from gradsync.recovery.coverage import check_covered
+from gradsync.recovery.events import (
+    Admitted,
+    Change,
+    Joined,
+    Lost,
+    log_admitted,
+    log_fallback,
+    log_lost,
+)
 from gradsync.recovery.membership import (
     Membership,
     NoRecoveryError,
-    RankExcludedError,
+    Report,
     agree,
     announce,
     begun,
     processes,
     publish_process,
 )
+from gradsync.recovery.notice import lost_a_peer
 from gradsync.recovery.regroup import close_groups, job_store, regroup
 from gradsync.recovery.rollback import StepStart, UndoLog
 
 ADMIT_EVERY = 10  # steps between two looks for an offer to replacements (heal.py)
-
-
-def _lost_a_peer(exc: BaseException) -> bool:
-    """Whether ``exc`` is how a collective ends when a peer is lost: gradsync's deadline error,
-    or the backend's own (torch raises ``DistError`` subclasses, gloo plain ``RuntimeError``
-    naming its transport)."""
-    if isinstance(exc, (CollectiveTimeoutError, dist.DistError)):
-        return True
-    text = str(exc)
-    return type(exc) is RuntimeError and ("gloo" in text or "Connection" in text)
 
 
 class Step:
@@ -104,7 +106,7 @@ class Step:
             self.recovery._completed(self)
             self.completed = True
             return False
-        if not _lost_a_peer(exc):
+        if not lost_a_peer(exc):
             return False
         self.recovery._recover(self, exc)
         return True  # the loop hands out the step to redo
@@ -151,15 +153,17 @@ class Recovery:
         # steps completed, over all epochs (a sampler loaded from a checkpoint says how many)
         self.completed = sampler.epoch * sampler.steps_per_epoch + sampler.step
         self.undo = UndoLog(optimizer)
+        # The hook on the user's optimizer goes with this object (the undo copy is its only use).
+        weakref.finalize(self, self.undo.remove)
         self._starts: dict[int, StepStart] = {}
         join = join if join is not None else joining()
         # kept: it outlives every group; a replacement joins with GRADSYNC_JOIN=store_address
         self.store, self.store_address = job_store(join)
-        self.events: list[dict[str, Any]] = []  # one record per membership change
-        self._pending_log: dict[str, Any] | None = None
-        self._offer: dict[str, Any] | None = None  # the admission offered to replacements
+        self.changes: list[Change] = []  # one record per membership change (events.py)
+        self._redoing: int | None = None  # the change whose redone step is under way
+        self._offer: heal.Offer | None = None  # the admission offered to replacements
         self._next_poll = 0.0  # when rank 0 next looks for replacements' tickets
-        watch_for_regroups(self)
+        watch_for_regroups(self)  # held weakly: deadlines stop watching once this object goes
         if join:
             self._join(join_timeout)
             return
@@ -171,6 +175,11 @@ class Recovery:
         self._namespace = token[0]
         publish_process(self.store, self._generation_key(), self.membership.rank)
         self._peers = processes(self.store, self._generation_key(), self.membership.world_size)
+
+    @property
+    def events(self) -> list[dict[str, Any]]:
+        """:attr:`changes` as JSON-ready dicts, one per membership change, with its timings."""
+        return [change.as_dict() for change in self.changes]
 
     def begun(self) -> bool:
         """Whether a survivor has begun to regroup this generation (for the deadlines)."""
@@ -209,10 +218,12 @@ class Recovery:
 
     def _completed(self, step: Step) -> None:
         self.completed = step.number + 1
-        if self._pending_log is not None:
-            self._pending_log["redone_s"] = time.time() - self._pending_log["regrouped"]
-            self._log(self._pending_log)
-            self._pending_log = None
+        if self._redoing is not None:
+            lost = self.changes[self._redoing]
+            assert isinstance(lost, Lost)
+            lost = replace(lost, redone_s=time.time() - lost.regrouped)
+            self.changes[self._redoing], self._redoing = lost, None
+            log_lost(lost)
 
     # -- recovery -------------------------------------------------------------------------------
     def _recover(self, step: Step, exc: BaseException) -> None:
@@ -220,7 +231,7 @@ class Recovery:
         noticed = time.time()
         me = self.membership
         phase = _phase(self.model, self.undo.taken_in == step.number, exc)
-        report = {"done": self.completed, "phase": phase}
+        report = Report(self.completed, phase)
         try:
             announce(self.store, self._generation_key())  # wakes survivors still waiting
             backend = close_groups()
@@ -228,7 +239,7 @@ class Recovery:
                 self.store, self._generation_key(), me, report, self._peers, self.window
             )
             agreed = time.time()
-            target = min(r["done"] for r in new.reports.values())
+            target = min(r.done for r in new.reports.values())
             self._check_can_go_on(new, target, lost)
             self.undo.undo(target)  # the parameters and optimizer state of the step's start
             self._starts[target].restore(
@@ -238,29 +249,35 @@ class Recovery:
             self._regroup_to(new, backend)
             self._continue_on_the_new_group()
         except GradsyncError as error:
-            self._log_fallback(step, error)
+            log_fallback(self.membership.rank, step.number, error)
             raise error from exc
         except Exception as error:  # the store or a new connection failed
             reason = NoRecoveryError(f"regrouping failed: {type(error).__name__}: {error}")
-            self._log_fallback(step, reason)
+            log_fallback(self.membership.rank, step.number, reason)
             raise reason from exc
         self.completed = target
-        phases = sorted({r["phase"] for r in new.reports.values()})
-        event = {
-            "generation": new.generation, "lost": sorted(lost), "step": target,
-            "phases": phases, "world_size": new.world_size, "rank": new.rank,
-            "noticed": noticed, "agreed": agreed, "regrouped": time.time(),
-            "error": f"{type(exc).__name__}: {first_line(exc, default='')[:300]}",
-        }  # fmt: skip
-        self.events.append(event)
-        self._pending_log = event  # logged once the redone step completes
+        self._redoing = len(self.changes)  # logged once the redone step completes
+        self.changes.append(
+            Lost(
+                new.generation,
+                tuple(sorted(lost)),
+                target,
+                phases=tuple(sorted({r.phase for r in new.reports.values()})),
+                world_size=new.world_size,
+                rank=new.rank,
+                noticed=noticed,
+                agreed=agreed,
+                regrouped=time.time(),
+                error=f"{type(exc).__name__}: {first_line(exc, default='')[:300]}",
+            )
+        )
 
     def _regroup_to(self, new: Membership, backend: str) -> None:
         self.membership, self._offer = new, None
-        regroup(self.store, self._generation_key(), new.rank, new.world_size, backend,
-                self.model.options.timeout)  # fmt: skip
-        publish_process(self.store, self._generation_key(), new.rank)
-        self._peers = processes(self.store, self._generation_key(), new.world_size)
+        scope, timeout = self._generation_key(), self.model.options.timeout
+        regroup(self.store, scope, new.rank, new.world_size, backend, timeout)
+        publish_process(self.store, scope, new.rank)
+        self._peers = processes(self.store, scope, new.world_size)
 
     def _continue_on_the_new_group(self, from_rank_0: bool = False) -> None:
         """The wrapper (its replicas checked equal, or made rank 0's), the checkpointer and
@@ -278,16 +295,24 @@ class Recovery:
         admission = heal.wait_for_admission(self.store, ticket, timeout)
         admitted = time.time()
         backend = close_groups()  # the replacement's own torchrun group
-        self._namespace = admission["namespace"]
-        members = tuple(range(admission["members"]))
-        new = Membership(admission["generation"], members, admission["rank"], {},
-                         tuple(admission["tickets"]))  # fmt: skip
+        self._namespace = admission.namespace
+        members = tuple(range(admission.members))
+        rank = admission.rank_of(ticket)
+        new = Membership(admission.generation, members, rank, {}, admission.tickets)
         self._regroup_to(new, backend)
         self._take_state(receive=True)
-        self.events.append({"generation": new.generation, "joined": list(new.joined),
-                            "step": self.completed, "world_size": new.world_size,
-                            "rank": new.rank, "asked": asked, "admitted": admitted,
-                            "switched": time.time()})  # fmt: skip
+        self.changes.append(
+            Joined(
+                new.generation,
+                new.joined,
+                self.completed,
+                world_size=new.world_size,
+                rank=new.rank,
+                asked=asked,
+                admitted=admitted,
+                switched=time.time(),
+            )
+        )
 
     def _admit_replacements(self) -> None:
         """At a step's start: offer waiting replacements a step, or admit them at it."""
@@ -297,32 +322,34 @@ class Recovery:
             tickets = heal.waiting(self.store)
             if tickets:  # members look every `every` steps: all have seen it by then
                 at = (self.completed // every + 2) * every
-                heal.offer(self.store, scope, at, tickets)
+                heal.offer(self.store, scope, heal.Offer(at, tickets))
         if self._offer is None and self.completed % every == 0:
             self._offer = heal.offered(self.store, scope)  # one store read per `every` steps
-        if self._offer is None or self._offer["step"] != self.completed:
+        if self._offer is None or self._offer.step != self.completed:
             return
-        start, tickets = time.time(), self._offer["tickets"]
-        new = Membership(me.generation + 1, tuple(range(me.world_size)), me.rank, {},
-                         tuple(tickets))  # fmt: skip
+        start, tickets = time.time(), self._offer.tickets
+        new = Membership(me.generation + 1, tuple(range(me.world_size)), me.rank, {}, tickets)
         asked = None
         if me.rank == 0:
-            admission = {"namespace": self._namespace, "generation": new.generation,
-                         "members": me.world_size, "tickets": tickets}  # fmt: skip
-            heal.admit(self.store, tickets, {**admission, "world_size": new.world_size})
+            admission = heal.Admission(self._namespace, new.generation, me.world_size, tickets)
+            heal.admit(self.store, admission)
             asked = heal.asked(self.store, tickets)
         self._regroup_to(new, close_groups())
         regrouped = time.time()
         self._take_state(receive=False)
-        event = {"generation": new.generation, "joined": tickets, "step": self.completed,
-                 "world_size": new.world_size, "rank": new.rank, "started": start,
-                 "asked": asked, "regrouped": regrouped, "switched": time.time()}  # fmt: skip
-        self.events.append(event)
-        if new.rank == 0:
-            _logger().warning(
-                f"gradsync: {len(tickets)} rank(s) joined at step {self.completed}; continuing "
-                f"on {new.world_size} ranks (switched in {event['switched'] - start:.2f} s)"
-            )
+        admitted = Admitted(
+            new.generation,
+            tickets,
+            self.completed,
+            world_size=new.world_size,
+            rank=new.rank,
+            started=start,
+            asked=asked,
+            regrouped=regrouped,
+            switched=time.time(),
+        )
+        self.changes.append(admitted)
+        log_admitted(admitted)
 
     def _take_state(self, receive: bool) -> None:
         """Rank 0's training state onto every rank (``receive``: load it here), then go on."""
@@ -344,31 +371,6 @@ class Recovery:
         if why:
             raise NoRecoveryError(f"lost rank(s) {sorted(lost)} but cannot go on: {why}")
 
-    def _log(self, event: dict[str, Any]) -> None:
-        if event["rank"] != 0:
-            return
-        lost, where = ", ".join(map(str, event["lost"])), "/".join(event["phases"])
-        total = event["regrouped"] - event["noticed"] + event["redone_s"]
-        what = (
-            f"rank {lost} lost"
-            if lost
-            else f"no rank lost, though a collective failed ({event['error']})"
-        )
-        _logger().warning(
-            f"gradsync: {what} at step {event['step']} (noticed in {where}); "
-            f"continuing on {event['world_size']} ranks, step {event['step']} redone "
-            f"in {total:.2f} s"
-        )
-
-    def _log_fallback(self, step: Step, error: BaseException) -> None:
-        if isinstance(error, RankExcludedError):
-            _logger().error(f"{error} (step {step.number})")
-            return
-        _logger().error(
-            f"gradsync: rank {self.membership.rank} cannot recover in-process at step "
-            f"{step.number} ({error}); exiting so that the job restarts from its last checkpoint"
-        )
-
 
 def _phase(model: DistributedDataParallel, stepped: bool, exc: BaseException) -> str:
     """Where this survivor was in the step when it noticed the loss."""
@@ -376,7 +378,3 @@ def _phase(model: DistributedDataParallel, stepped: bool, exc: BaseException) ->
         return "optimizer step"
     reducing = model.reducer.reducing or "gradient reduction" in str(exc)
     return "backward" if reducing else "forward"
-
-
-def _logger() -> logging.Logger:
-    return logging.getLogger("gradsync.recovery")

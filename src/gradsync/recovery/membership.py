@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import torch.distributed as dist
 
@@ -44,15 +44,40 @@ class NoRecoveryError(GradsyncError, RuntimeError):
 
 
 @dataclass(frozen=True)
+class Report:
+    """What a survivor says of itself at an agreement (in the store, as JSON)."""
+
+    done: int
+    """The steps it had completed, over all epochs: the survivors redo the earliest step one
+    of them had not."""
+    phase: str
+    """Where it was in its step when it noticed the loss: ``forward``, ``backward`` or
+    ``optimizer step``."""
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> Report:
+        return cls(**json.loads(text))
+
+
+@dataclass(frozen=True)
 class Membership:
     """One generation of the job: its members (by their ranks in the generation before) and
     this process's place in it."""
 
     generation: int
-    members: tuple[int, ...]  # ranks of the previous generation, in their new rank order
-    rank: int  # this process's rank in this generation
-    reports: Mapping[int, dict]  # what each member reported at the agreement (by old rank)
-    joined: tuple[int, ...] = ()  # replacements admitted (their tickets), ranked after members
+    """How many membership changes the job has been through."""
+    members: tuple[int, ...]
+    """The members that stayed, by their ranks in the generation before, in their new rank
+    order."""
+    rank: int
+    """This process's rank in this generation."""
+    reports: Mapping[int, Report]
+    """What each member reported at the agreement that formed it (by its rank before)."""
+    joined: tuple[int, ...] = ()
+    """Replacements admitted (their tickets), ranked after the members."""
 
     @property
     def world_size(self) -> int:
@@ -89,7 +114,7 @@ def agree(
     store: dist.Store,
     scope: str,
     current: Membership,
-    report: dict,
+    report: Report,
     peers: Mapping[int, ProcessId | None],
     window: float,
 ) -> tuple[Membership, dict[int, Fate]]:
@@ -99,7 +124,7 @@ def agree(
     Raises :class:`RankExcludedError` if this rank was left out, :class:`NoRecoveryError` if a
     silent member is alive; store errors propagate."""
     rank, generation = current.rank, current.generation
-    store.set(_key(scope, "report", rank), json.dumps(report))
+    store.set(_key(scope, "report", rank), report.to_json())
     others = {r: (_key(scope, "answer", r), p) for r, p in peers.items() if r != rank}
     fates = roll_call(store, _key(scope, "answer", rank), others, window)
     answered = sorted([rank, *(r for r, f in fates.items() if f is Fate.ANSWERED)])
@@ -118,7 +143,7 @@ def agree(
             f"rank {rank} of generation {generation} answered after the others had agreed to "
             f"go on as ranks {list(members)}: this process leaves the job"
         )
-    reports = {r: json.loads(store.get(_key(scope, "report", r))) for r in members}
+    reports = {r: Report.from_json(store.get(_key(scope, "report", r))) for r in members}
     lost = {r: f for r, f in fates.items() if r not in members}
     new = Membership(generation + 1, members, members.index(rank), reports)
     return new, lost

@@ -61,9 +61,8 @@ def job_store(join: str | None) -> tuple[dist.Store, str | None]:
 
 
 def regroup(
-    store: dist.Store, generation: str, rank: int, world_size: int, backend: str,
-    timeout: timedelta,
-) -> None:  # fmt: skip
+    store: dist.Store, generation: str, rank: int, world_size: int, backend: str, timeout: timedelta
+) -> None:
     """Initialise the default group of ``generation`` (a name no other generation of the job
     has): ``world_size`` members over ``store``, this process as ``rank``. Every member calls
     it; it returns once all have connected."""

@@ -48,13 +48,17 @@ class StepStart:
     def take(
         cls, module: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, sampler: Any
     ) -> StepStart:
-        groups = [{k: copy.deepcopy(v) for k, v in g.items() if k != "params"}
-                  for g in optimizer.param_groups]  # fmt: skip
+        groups = [
+            {k: copy.deepcopy(v) for k, v in g.items() if k != "params"}
+            for g in optimizer.param_groups
+        ]
         return cls(
-            dict(sampler.state_dict()),
-            None if scheduler is None else copy.deepcopy(scheduler.state_dict()), groups,
-            [b.detach().clone() for b in module.buffers()], torch.get_rng_state(),
-        )  # fmt: skip
+            position=dict(sampler.state_dict()),
+            scheduler=None if scheduler is None else copy.deepcopy(scheduler.state_dict()),
+            hyperparameters=groups,
+            buffers=[b.detach().clone() for b in module.buffers()],
+            rng=torch.get_rng_state(),
+        )
 
     def restore(
         self, module: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, sampler: Any
@@ -98,8 +102,9 @@ class UndoLog:
             else:
                 for saved, p in zip(self._params, params, strict=True):
                     saved.copy_(p)
-            self._state = {p: _copy_state(self.optimizer.state.get(p, {}), self._state.get(p))
-                           for p in params}  # fmt: skip
+            self._state = {
+                p: _copy_state(self.optimizer.state.get(p, {}), self._state.get(p)) for p in params
+            }
         self.taken_in = self.step
 
     def undo(self, step: int) -> bool:
@@ -133,12 +138,15 @@ def _copy_state(state: dict[str, Any], into: dict[str, Any] | None) -> dict[str,
     for key, value in state.items():
         if isinstance(value, torch.Tensor):
             old = None if into is None else into.get(key)
-            if isinstance(old, torch.Tensor) and (old.shape, old.dtype, old.device) == (
-                value.shape, value.dtype, value.device,
-            ):  # fmt: skip
+            if isinstance(old, torch.Tensor) and _fits(old, value):
                 out[key] = old.copy_(value)
             else:
                 out[key] = value.detach().clone()
         else:
             out[key] = copy.deepcopy(value)
     return out
+
+
+def _fits(old: torch.Tensor, new: torch.Tensor) -> bool:
+    """Whether ``new`` can be copied into ``old``'s memory as it is."""
+    return (old.shape, old.dtype, old.device) == (new.shape, new.dtype, new.device)
