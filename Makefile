@@ -35,13 +35,16 @@ train-3d: $(VENV)/.installed
 	$(VENV)/bin/torchrun --standalone --nproc-per-node 8 examples/train_3d.py --cp 2 --tp 2
 
 # The docs build and ruff come first (seconds): with --strict a broken link or anchor in docs/
-# fails the suite. Then two pytest processes, one per core: the torchrun jobs of tests/e2e (much
-# of it waiting: grace periods, deadlines) beside everything else. mypy runs beside them at a
-# lower priority: on a fresh clone, with no cache, it takes a minute or more of CPU, which the
-# e2e stream's waits absorb. Its output and the e2e output follow the other stream's.
+# fails the suite, and the format check makes every line tests/unit/test_layout.py counts a
+# line as the formatter writes it. Then two pytest processes, one per core: the torchrun jobs
+# of tests/e2e (much of it waiting: grace periods, deadlines) beside everything else. mypy runs
+# beside them at a lower priority: on a fresh clone, with no cache, it takes a minute or more
+# of CPU, which the e2e stream's waits absorb. Its output and the e2e output follow the other
+# stream's.
 test: $(VENV)/.installed
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
 	$(PY) -m ruff check src tests examples benchmarks
+	$(PY) -m ruff format --check src tests examples benchmarks
 	@types=$$(mktemp); log=$$(mktemp); nice -n 10 $(PY) -m mypy >$$types 2>&1 & mypy=$$!; \
 	$(PY) -m pytest tests/e2e >$$log 2>&1 & e2e=$$!; \
 	$(PY) -m pytest --ignore tests/e2e; rest=$$?; wait $$e2e; e2e_rc=$$?; wait $$mypy; mypy_rc=$$?; \

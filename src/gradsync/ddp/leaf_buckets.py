@@ -134,11 +134,14 @@ class LeafBucket(AccumulatingBucket):
     def flag_finite(self) -> None:
         """Whether each parameter's gradient is finite in every piece of this rank."""
         pieces = [grads for _, grads in self.fold.pieces()]
-        self.local_finite = torch.stack([
-            torch.stack([torch.isfinite(p[slot]).all() for p in pieces]).all()
-            if pieces else torch.ones((), dtype=torch.bool, device=v.device)
-            for slot, v in enumerate(self.views)
-        ])  # fmt: skip
+        self.local_finite = torch.stack(
+            [
+                torch.stack([torch.isfinite(p[slot]).all() for p in pieces]).all()
+                if pieces
+                else torch.ones((), dtype=torch.bool, device=v.device)
+                for slot, v in enumerate(self.views)
+            ]
+        )
 
     def open_window(self, training: bool) -> None:
         if self.main_grads:

@@ -159,21 +159,27 @@ class SyncOptions:
         every setting that changes which collectives run or what they carry (``mesh_axes``:
         the names of the device mesh's axes reduced over, if any)."""
         return {
-            "bucket_cap_mb": self.bucket_cap_mb, "first_bucket_cap_mb": self.first_bucket_cap_mb,
-            "reduction": self.reduction, "find_unused_parameters": self.find_unused_parameters,
+            "bucket_cap_mb": self.bucket_cap_mb,
+            "first_bucket_cap_mb": self.first_bucket_cap_mb,
+            "reduction": self.reduction,
+            "find_unused_parameters": self.find_unused_parameters,
             "static_graph": self.static_graph,
             "gradient_as_bucket_view": self.gradient_as_bucket_view,
-            "broadcast_buffers": self.broadcast_buffers, "init_sync": self.init_sync,
-            "init_sync_buffers": self.init_sync_buffers, "algorithm": self.all_reduce.name,
+            "broadcast_buffers": self.broadcast_buffers,
+            "init_sync": self.init_sync,
+            "init_sync_buffers": self.init_sync_buffers,
+            "algorithm": self.all_reduce.name,
             "compression": describe_compression(self.compression),
-            "check_finite": self.check_finite, "check_replicas_every": self.check_replicas_every,
-            "device_mesh": mesh_axes, "main_grad_dtype": str(self.main_grad_dtype),
+            "check_finite": self.check_finite,
+            "check_replicas_every": self.check_replicas_every,
+            "device_mesh": mesh_axes,
+            "main_grad_dtype": str(self.main_grad_dtype),
             "compression state (load it on every rank)": describe_compression_state(
                 self.compression
             ),
             "deterministic": self.deterministic,
             **deterministic_settings(self.deterministic),
-        }  # fmt: skip
+        }
 
 
 class Setting:

@@ -50,10 +50,8 @@ def take_over(reducer: Owner) -> None:
     """Make ``reducer`` the owner of its parameters, retiring any other that had them."""
     for p in reducer.params:
         previous = _owners.get(id(p))
-        if previous is not None and previous is not reducer:
-            # A successor shares its wrapper's deadline; another wrapper is named by its call.
-            same_wrapper = previous.deadline is reducer.deadline
-            previous.retire(None if same_wrapper else f"wrapped again at {_caller()}")
+        if previous is not None and previous is not reducer:  # another wrapper's: one each
+            previous.retire(f"wrapped again at {_caller()}")
         _owners[id(p)] = reducer
     _hold_finder(reducer)
 

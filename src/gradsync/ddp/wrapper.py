@@ -248,7 +248,7 @@ class DistributedDataParallel(TorchSurface, TorchDDP):  # type: ignore[override,
             self,
             args,
             kwargs,
-            training=self.module.training,
+            training=state.module.training,  # not self.module: nn.Module's __getattr__
             sync=self._sync_backward,
             broadcast=state.options.broadcast_buffers and bool(state.buffers),
         )

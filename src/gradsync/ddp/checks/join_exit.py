@@ -75,9 +75,10 @@ def _records(deadline: Deadline) -> dict[int, tuple[int, float, str]]:
     ``_READ_S``: its host may be what failed, and an error path must not hang on it."""
     found: list[dict[int, tuple[int, float, str]]] = []
     reader = threading.Thread(
-        target=lambda: found.append(deadline.arrivals.read()), name="gradsync-join-records",
+        target=lambda: found.append(deadline.arrivals.read()),
+        name="gradsync-join-records",
         daemon=True,
-    )  # fmt: skip
+    )
     reader.start()
     reader.join(_READ_S)
     return found[0] if found else {}

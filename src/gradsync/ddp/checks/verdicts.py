@@ -144,10 +144,14 @@ def raise_nonfinite(bad_buckets: list[int], here: list[str], step: StepContext) 
     held NaN/Inf before the sum)."""
     deadline = step.deadline
     lines = per_rank_lines(here, deadline, "the report of NaN/Inf gradients")
-    where = f"before communication they were in:\n{lines}" if lines else (
-        "no rank had any before communication: the sum overflowed, or a value exceeded the "
-        "wire format's range (fp16: +-65504)"
-    )  # fmt: skip
+    where = (
+        f"before communication they were in:\n{lines}"
+        if lines
+        else (
+            "no rank had any before communication: the sum overflowed, or a value exceeded the "
+            "wire format's range (fp16: +-65504)"
+        )
+    )
     raise NonFiniteGradientError(
         f"NaN/Inf gradients in bucket(s) {bad_buckets} (seen from rank {deadline.rank}); "
         f"{where}\nParameters are unchanged. Every rank "

@@ -55,8 +55,7 @@ def remember_arguments(init: Callable[..., None]) -> Callable[..., None]:
     return wrapped
 
 
-def check_picklable(arguments: dict[str, Any], sharded: bool, hooked: bool, mid_step: bool
-                     ) -> None:  # fmt: skip
+def check_picklable(arguments: dict[str, Any], sharded: bool, hooked: bool, mid_step: bool) -> None:
     """Refuse to pickle a wrapper built with ``arguments`` that cannot be rebuilt from them."""
     group = arguments.get("process_group")
     why = None
@@ -71,5 +70,6 @@ def check_picklable(arguments: dict[str, Any], sharded: bool, hooked: bool, mid_
     elif mid_step:
         why = "it is inside a step (its accumulated gradients would not be carried)"
     if why is not None:
-        raise UsageError(f"this gradsync wrapper cannot be pickled or deep-copied: {why}; "
-                         f"{_INSTEAD}")  # fmt: skip
+        raise UsageError(
+            f"this gradsync wrapper cannot be pickled or deep-copied: {why}; {_INSTEAD}"
+        )

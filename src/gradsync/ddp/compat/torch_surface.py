@@ -11,7 +11,7 @@ reducer state exists: each torch member is therefore either
 - inherited because it works unchanged on the wrapper (:data:`INHERITED`), or
 - refused with a ``UsageError`` saying why and what to use instead (:data:`REFUSED`).
 
-``tests/unit/test_torch_surface.py`` checks that every member of the installed torch's class
+``tests/unit/test_torch_args.py`` checks that every member of the installed torch's class
 is in one of the three, so a member a later torch adds fails the test until it is placed.
 """
 
@@ -84,7 +84,7 @@ REFUSED = {
             "_check_default_group",
             "_passing_sync_batchnorm_handle",
         )
-    },  # fmt: skip
+    },
     "_register_fused_optim": "run the optimizer after backward: gradsync's reductions already "
     "overlap backward, and fusing the step into them would skip its cross-rank checks",
     "_register_builtin_comm_hook": "use register_comm_hook(state, hook) with torch's hooks, or "

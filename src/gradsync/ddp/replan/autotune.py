@@ -303,6 +303,10 @@ class AutoBuckets:
             verdict = "went back to the initial plan" if slower else "kept the chosen plan"
             logger.info(
                 "bucket_cap_mb='auto' %s from step %d (median step %.2f ms with it, %.2f ms "
-                "with the initial %s)", verdict, step, chosen_s * 1e3, initial_s * 1e3,
+                "with the initial %s)",
+                verdict,
+                step,
+                chosen_s * 1e3,
+                initial_s * 1e3,
                 describe(self._initial[1]),
-            )  # fmt: skip
+            )
