@@ -1,7 +1,9 @@
-"""What ``train_gpt.py`` sets up before its loop: flags, process group, data, model, logs.
+"""What ``train_gpt.py`` sets up around its loop: the flags, the process group, the sampler and
+loader, the model, the wire format, and what the job prints and logs.
 
-Nothing here is specific to gradsync but the wrapper's options; a user who copies the loop
-replaces this module with their own model and data.
+A user who copies the loop brings their own model and data; the samplers (``gradsync.data``:
+a resumable ``DistributedSampler``, or ``GlobalBatchSampler`` for the same global batches at any
+world size) are the part to keep.
 """
 
 from __future__ import annotations
@@ -228,7 +230,7 @@ def lr_at(step: int, total: int, args: argparse.Namespace) -> float:
     return lr
 
 
-# -- what the job tells -------------------------------------------------------------------------
+# -- what the job prints and logs ------------------------------------------------------------------
 def describe(
     args: argparse.Namespace, ddp: gradsync.DistributedDataParallel, steps: int, start: int
 ) -> str:
