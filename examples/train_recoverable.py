@@ -26,6 +26,7 @@ import math
 import os
 import time
 from datetime import timedelta
+from typing import IO
 
 import torch
 import torch.distributed as dist
@@ -35,7 +36,7 @@ import gradsync
 from gradsync.checkpoint import Checkpointer
 from gradsync.data import GlobalBatchSampler
 from gradsync.elastic import joining
-from gradsync.recovery import Recovery
+from gradsync.recovery import Recovery, Step
 from gradsync.testing.corpus import CharDataset, generate_corpus
 from gradsync.testing.gpt import GPT, GPTConfig, lm_loss
 
@@ -49,8 +50,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--timeout-s", type=float, default=20.0)
     p.add_argument("--window-s", type=float, default=1.0, help="Recovery's roll-call window")
-    p.add_argument("--step-time", type=float, default=0.0,
-                   help="pad steps to this many seconds (a larger model's step)")  # fmt: skip
+    p.add_argument(
+        "--step-time",
+        type=float,
+        default=0.0,
+        help="pad steps to this many seconds (a larger model's step)",
+    )
     p.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps")
     p.add_argument("--stop-file", default=None, help="end after the step during which it appears")
     p.add_argument("--log-samples", default=None)
@@ -81,17 +86,20 @@ def main() -> int:
     ddp = gradsync.DistributedDataParallel(model, reduction="item_mean", timeout=args.timeout_s)
     opt = torch.optim.AdamW(ddp.parameters(), lr=args.lr, weight_decay=0.01)
     scheduler = schedule(opt, args.max_steps)
-    ckpt = Checkpointer(os.path.join(args.out, "checkpoints"), model=ddp, optimizer=opt,
-                        lr_scheduler=scheduler, sampler=sampler)  # fmt: skip
+    ckpt = Checkpointer(
+        os.path.join(args.out, "checkpoints"),
+        model=ddp,
+        optimizer=opt,
+        lr_scheduler=scheduler,
+        sampler=sampler,
+    )
     if not joining():  # the restart path: resume from the newest checkpoint, if any
         ckpt.load()
-    recovery = Recovery(ddp, opt, sampler, lr_scheduler=scheduler, checkpointer=ckpt,  # +
-                        window=args.window_s)  # fmt: skip
+    recovery = Recovery(  # +
+        ddp, opt, sampler, lr_scheduler=scheduler, checkpointer=ckpt, window=args.window_s
+    )
+    publish_store(recovery, args.out)
     log = open(args.log_samples, "a") if args.log_samples else None
-    if dist.get_rank() == 0 and recovery.membership.generation == 0 and recovery.store_address:
-        os.makedirs(args.out, exist_ok=True)  # for replacements: GRADSYNC_JOIN=<this address>
-        with open(os.path.join(args.out, "job-store"), "w") as f:
-            f.write(recovery.store_address)
 
     stop = torch.zeros(())
     for step in recovery.steps(args.max_steps):  # ~ for step in range(max_steps):
@@ -114,13 +122,7 @@ def main() -> int:
                 ckpt.save(step.number + 1)
             time.sleep(max(0.0, args.step_time - (time.monotonic() - started)))
             if log:  # inside the block: code after it runs after an interrupted step too
-                indices = [i for batch in sampler.micro_batches_of(step.index) for i in batch]
-                me = recovery.membership
-                record = {"step": step.number, "rank": me.rank, "indices": indices,
-                          "world": me.world_size, "generation": me.generation,
-                          "attempt": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),
-                          "pid": os.getpid(), "time": time.time()}  # fmt: skip
-                print(json.dumps(record), file=log, flush=True)
+                log_step(log, step, sampler, recovery)
         if step.completed and stop.item():
             break
 
@@ -128,18 +130,50 @@ def main() -> int:
     dist.destroy_process_group()
     if rank != 0:
         return 0
+    return check(model, dataset, args, recovery)
+
+
+def publish_store(recovery: Recovery, out: str) -> None:
+    """Rank 0 of the first membership writes the job's store address to ``OUT/job-store``: a
+    replacement node joins with ``GRADSYNC_JOIN=<that address>``."""
+    if dist.get_rank() == 0 and recovery.membership.generation == 0 and recovery.store_address:
+        os.makedirs(out, exist_ok=True)
+        with open(os.path.join(out, "job-store"), "w") as f:
+            f.write(recovery.store_address)
+
+
+def log_step(log: IO[str], step: Step, sampler: GlobalBatchSampler, recovery: Recovery) -> None:
+    """``--log-samples``: one JSON line for this rank's share of a completed step."""
+    me = recovery.membership
+    record = {
+        "step": step.number,
+        "rank": me.rank,
+        "indices": [i for batch in sampler.micro_batches_of(step.index) for i in batch],
+        "world": me.world_size,
+        "generation": me.generation,
+        "attempt": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),
+        "pid": os.getpid(),
+        "time": time.time(),
+    }
+    print(json.dumps(record), file=log, flush=True)  # one write a line: ranks share the file
+
+
+def check(model: GPT, dataset: CharDataset, args: argparse.Namespace, recovery: Recovery) -> int:
+    """Rank 0, at the end: the same steps in one process, PASS or FAIL, and ``result.json``."""
     reference = train_one_process(dataset, args, recovery.completed)
     pairs = zip(model.parameters(), reference.parameters(), strict=True)
     diff = max((a - b).abs().max().item() for a, b in pairs)
     verdict = "PASS" if diff <= 1e-12 else "FAIL"
     world = recovery.membership.world_size
-    print(f"{verdict}: {world} rank(s) left after {recovery.completed} steps and "
-          f"{len(recovery.events)} membership change(s); largest parameter difference to one "
-          f"process {diff:.3g}")  # fmt: skip
+    print(
+        f"{verdict}: {world} rank(s) left after {recovery.completed} steps and "
+        f"{len(recovery.events)} membership change(s); largest parameter difference to one "
+        f"process {diff:.3g}"
+    )
+    result = {"verdict": verdict, "diff": diff, "world": world, "steps": recovery.completed}
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "result.json"), "w") as f:
-        json.dump({"verdict": verdict, "diff": diff, "world": world, "steps": recovery.completed,
-                   "events": recovery.events}, f)  # fmt: skip
+        json.dump({**result, "events": recovery.events}, f)
     return 0 if verdict == "PASS" else 1
 
 

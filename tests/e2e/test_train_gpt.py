@@ -40,8 +40,11 @@ def test_train_gpt_matches_single_process(tmp_path: Path) -> None:
 
 @pytest.mark.timeout(60)
 def test_the_timeline_plot_needs_matplotlib_and_says_so_before_training(tmp_path: Path) -> None:
+    # `python examples/train_gpt.py` puts examples/ first on sys.path (for gpt_setup.py);
+    # runpy.run_path does not, so the code does.
     code = (
         "import runpy, sys; sys.modules['matplotlib'] = None; "  # as if it were not installed
+        f"sys.path.insert(0, {str(ROOT / 'examples')!r}); "
         f"sys.argv = ['train_gpt.py', '--timeline', {str(tmp_path / 'tl.png')!r}]; "
         f"runpy.run_path({str(ROOT / 'examples' / 'train_gpt.py')!r}, run_name='__main__')"
     )
