@@ -15,6 +15,7 @@ import pytest
 import torch.distributed as dist
 
 import gradsync
+from gradsync.checkpoint import Checkpointer
 from gradsync.errors import CollectiveTimeoutError
 from gradsync.recovery import Step
 
@@ -72,9 +73,20 @@ def test_a_store_timeout_as_torch_raises_it_is_a_lost_peer() -> None:
 
 
 @pytest.mark.parametrize("text", [CLOSED, RESET], ids=["closed", "reset"])
-def test_a_checkpoint_write_that_lost_a_peer_in_gloo_is_recognised(text: str) -> None:
-    # DCP's collectives on a checkpointer's write thread: the one error no deadline types yet.
-    assert _ends_the_step(RuntimeError(text))
+def test_gloos_words_alone_are_not_a_lost_peer(text: str) -> None:
+    # gloo's untyped errors are typed where gradsync waits on the backend (the deadline, and a
+    # Checkpointer's write): one that reaches a step untyped came from somewhere else.
+    assert not _ends_the_step(RuntimeError(text))
+
+
+@pytest.mark.parametrize("text", [CLOSED, RESET], ids=["closed", "reset"])
+def test_a_checkpoint_write_that_lost_a_peer_is_typed(text: str, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    error = Checkpointer._typed(SimpleNamespace(rank=1), RuntimeError(text), step=7)  # type: ignore[arg-type]
+    assert isinstance(error, CollectiveTimeoutError) and "rank 1" in str(error)
+    assert "step 7" in str(error) and isinstance(error.__cause__, RuntimeError)
+    assert _ends_the_step(error)
+    full = OSError(28, "No space left on device")
+    assert Checkpointer._typed(SimpleNamespace(rank=1), full, step=7) is full  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(

@@ -186,7 +186,22 @@ class Checkpointer:
         try:
             self._write(state, step)
         except BaseException as exc:  # handed to the training thread by wait()
-            self._error = exc
+            self._error = self._typed(exc, step)
+
+    def _typed(self, exc: BaseException, step: int) -> BaseException:
+        """The write's error as the training thread sees it. DCP's own collectives run on the
+        write's thread, where no deadline waits on them, and gloo raises a plain
+        ``RuntimeError`` when a peer is lost in one: typed here, as a deadline would
+        (``CollectiveTimeoutError`` naming this rank and the write); anything else as raised
+        (a full disk is an ``OSError``)."""
+        if type(exc) is not RuntimeError:
+            return exc
+        error = CollectiveTimeoutError(
+            f"rank {self.rank}: a collective of the checkpoint write of step {step} failed "
+            f"(a rank lost, or the backend failing): {exc}"
+        )
+        error.__cause__ = exc
+        return error
 
     def _checked_state(self, step: int) -> dict[str, Any]:
         """The state to save, refused on every rank if any rank's could not be loaded back."""

@@ -10,18 +10,14 @@ returns; the wait raises). Only the store's clients raise torch's typed errors: 
 whose host died raises ``DistNetworkError`` from ``get``, ``check``, ``add``, ``wait`` and
 ``compare_set``, and a store's own timeout raises ``DistStoreError``.
 
-So the words are read once, where gradsync waits on the backend, and never here: every
-collective of the wrapper and of a checkpointer is waited for by a
-:class:`~gradsync.failfast.deadline.Deadline`, which turns the backend's error into
+So the words are never read: every collective of the wrapper and of a checkpointer is waited
+for by a :class:`~gradsync.failfast.deadline.Deadline`, which turns the backend's error into
 :class:`~gradsync.errors.CollectiveTimeoutError` naming this rank, the collective and who is
 missing; :meth:`Step.all_reduce <gradsync.recovery.Step.all_reduce>` does the same for the
-loop's own collectives, and a checkpointer waiting for its write raises it once a regroup has
-begun. What reaches the end of a step is then recognised by its type alone.
-
-One path still arrives untyped: DCP's own collectives on a checkpointer's background write (no
-deadline waits on them), whose error the checkpointer hands over as it was raised. Until the
-checkpointer types it where it waits for the write, :func:`lost_a_peer` accepts that one shape
-(a plain ``RuntimeError`` from gloo's transport) and nothing else by its words.
+loop's own collectives; a checkpointer types what DCP's own collectives raise on its write's
+thread, where no deadline waits, and raises ``CollectiveTimeoutError`` too once a regroup has
+begun while it waits for the write. What reaches the end of a step is then recognised by its
+type alone.
 """
 
 from __future__ import annotations
@@ -35,18 +31,7 @@ from gradsync.errors import CollectiveTimeoutError
 # DistNetworkError, DistStoreError: a store, or a backend that types its errors, as NCCL does).
 LOST_PEER: tuple[type[BaseException], ...] = (CollectiveTimeoutError, dist.DistError)
 
-# Where gloo's transport writes its errors (pair.cc, unbound_buffer.cc, ...): every message of
-# a connection closed, reset or timed out carries the source path ([Note: what a lost peer
-# raises]).
-_GLOO_TRANSPORT = "gloo/transport/"
-
 
 def lost_a_peer(exc: BaseException) -> bool:
     """Whether ``exc``, raised inside a step, is how a collective ends when a peer is lost."""
-    return isinstance(exc, LOST_PEER) or _checkpoint_write_lost_a_peer(exc)
-
-
-def _checkpoint_write_lost_a_peer(exc: BaseException) -> bool:
-    """A checkpointer's background write that lost a peer in DCP's collectives: the one error
-    no deadline types yet ([Note: what a lost peer raises])."""
-    return type(exc) is RuntimeError and _GLOO_TRANSPORT in str(exc)
+    return isinstance(exc, LOST_PEER)
