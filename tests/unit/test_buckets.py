@@ -13,6 +13,7 @@ from torch import nn
 
 import gradsync
 from gradsync.comm.formats import wire_bytes
+from gradsync.ddp import buckets
 from gradsync.ddp.buckets import Bucket
 from gradsync.ddp.compat.state_keys import strip_prefixes
 from gradsync.ddp.plan import (
@@ -201,6 +202,12 @@ def test_strip_prefixes_keeps_a_models_own_module_prefix() -> None:
     assert strip_prefixes({f"module.{k}": 0 for k in plain}, plain.keys()) == plain
 
 
+@pytest.fixture()
+def hand_over_small(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Buckets of these tests' few-element parameters hand their buffer over, as large ones do."""
+    monkeypatch.setattr(buckets, "HAND_OVER_BYTES", 0)
+
+
 def _summed_bucket(sizes: tuple[int, ...] = (3, 20, 5)) -> tuple[Bucket, torch.Tensor]:
     """A bucket whose gradients have been "summed" to 0, 1, 2, ...; and that buffer."""
     params = [torch.nn.Parameter(torch.zeros(n)) for n in sizes]
@@ -216,7 +223,9 @@ def _is_view_of(grad: torch.Tensor | None, buffer: torch.Tensor, offset: int) ->
     return grad.untyped_storage().data_ptr() == buffer.data_ptr() and grad.data_ptr() == at
 
 
-def test_results_hand_the_buffer_over_and_write_a_kept_gradient_in_place() -> None:
+def test_results_hand_the_buffer_over_and_write_a_kept_gradient_in_place(
+    hand_over_small: None,
+) -> None:
     bucket, summed = _summed_bucket()
     offsets = bucket.spec.offsets
     kept = torch.full((bucket.params[1].numel(),), -1.0)
@@ -241,7 +250,7 @@ def test_results_hand_the_buffer_over_and_write_a_kept_gradient_in_place() -> No
         )
 
 
-def test_a_buffer_no_gradient_refers_to_is_taken_back() -> None:
+def test_a_buffer_no_gradient_refers_to_is_taken_back(hand_over_small: None) -> None:
     bucket, summed = _summed_bucket()
     bucket.results([1, 1, 1])
     for p in bucket.params:  # as zero_grad() does
@@ -260,7 +269,7 @@ def test_a_buffer_no_gradient_refers_to_is_taken_back() -> None:
     assert held.data_ptr() == summed.data_ptr() + bucket.spec.offsets[2] * 4
 
 
-def test_only_a_gradient_autograd_made_in_the_window_is_handed_over() -> None:
+def test_only_a_gradient_autograd_made_in_the_window_is_handed_over(hand_over_small: None) -> None:
     bucket, summed = _summed_bucket((4, 4, 4, 4))
     p = bucket.params
     p[0].grad = torch.zeros(4)  # there when the window opened: written in place
@@ -275,7 +284,7 @@ def test_only_a_gradient_autograd_made_in_the_window_is_handed_over() -> None:
     assert _is_view_of(p[1].grad, summed, bucket.spec.offsets[1])
 
 
-def test_a_gradient_unused_everywhere_is_left_as_it_was() -> None:
+def test_a_gradient_unused_everywhere_is_left_as_it_was(hand_over_small: None) -> None:
     bucket, summed = _summed_bucket()
     bucket.open_window(training=True)
     assert bucket.results([2, 0, 2]) == []
@@ -284,6 +293,28 @@ def test_a_gradient_unused_everywhere_is_left_as_it_was() -> None:
     bucket, summed = _summed_bucket()
     assert bucket.results([0, 0, 0]) == []  # nothing handed over: the buffer stays
     assert bucket.buffer is summed
+
+
+def test_a_bucket_of_small_parameters_copies_out_and_keeps_its_buffer() -> None:
+    # Laying 300 views out again every step cost the host more than copying 300 small
+    # gradients: a bucket hands over only where its parameters average HAND_OVER_BYTES.
+    bucket, summed = _summed_bucket()
+    assert not bucket.hands_over
+    views = bucket.views
+    kept = torch.full((bucket.params[1].numel(),), -1.0)
+    bucket.params[1].grad = kept
+    copies = bucket.results([2, 2, 2])
+    assert [dst is kept for dst, _ in copies] == [True]
+    for slot in (0, 2):  # used elsewhere, no .grad here: a gradient of its own, not a view
+        grad = bucket.params[slot].grad
+        assert grad is not None and grad.untyped_storage().data_ptr() != summed.data_ptr()
+        o = bucket.spec.offsets[slot]
+        assert torch.equal(grad, torch.arange(28.0)[o : o + bucket.numels[slot]])
+    bucket.claim()
+    assert bucket.buffer is summed and bucket.views is views  # nothing laid out again
+    large = [torch.nn.Parameter(torch.zeros(buckets.HAND_OVER_BYTES // 4)) for _ in range(2)]
+    (spec,) = plan_buckets([(p.numel(), p.dtype) for p in large], None)
+    assert Bucket(spec, large).hands_over
 
 
 def test_parameters_planned_last_fill_the_last_buckets_in_reverse_order() -> None:

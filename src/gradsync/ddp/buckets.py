@@ -30,6 +30,12 @@ place, as torch does, and so is one that is not contiguous (the view is; autogra
 parameter's layout) or that has a graph ([Note: gradients with a graph] in
 ``checks/graph_grads.py``).
 
+A bucket hands its buffer over only where that saves host time: on a CPU (on a GPU the copy
+is the device's work, one batched call for the host, while every view laid out again is the
+host's), and only where its parameters are large, at least ``HAND_OVER_BYTES`` a parameter on
+average. A view costs the host a few microseconds to lay out each step; copying a parameter of
+a few hundred bytes costs less, so a bucket of many small parameters copies (``hands_over``).
+
 The bucket keeps no view of a buffer it handed over. When the next reduction begins, it takes
 a buffer back (:meth:`Bucket.claim`): the same memory if no gradient refers to it any more, as
 after ``zero_grad()``, else new memory. Reusing it matters on a CPU, where a large buffer of
@@ -55,6 +61,10 @@ from torch import nn
 
 from gradsync.ddp.plan import BucketSpec
 from gradsync.mesh.dtensors import GradLayout, local
+
+# A view laid out again after a hand-over costs the host about 3 us (the split's share and
+# ``Tensor.view``); a copy on a CPU moves 5-10 GB/s: at 64 KiB a parameter the copy costs more.
+HAND_OVER_BYTES = 64 * 1024
 
 
 def _unshared(buffer: torch.Tensor) -> bool:
@@ -92,10 +102,13 @@ class Bucket:
         self.shapes = [local(p).shape for p in self.params]
         self.numels = [local(p).numel() for p in self.params]
         # Slots whose .grad may become a view of the buffer: see [Note: handing the buffer over].
-        self.plain = [layout is None and not as_view for layout in self.layouts]
+        device = self.params[0].device
+        per_param = spec.numel * spec.dtype.itemsize / max(len(self.params), 1)
+        self.hands_over = device.type == "cpu" and per_param >= HAND_OVER_BYTES
+        plain = [layout is None and not as_view for layout in self.layouts]
+        self.plain = [self.hands_over and p for p in plain]
         self.fresh = [False] * len(self.params)  # no .grad when the window opened: open_window
         self.spare: torch.Tensor | None = None  # the buffer handed over, until claim()
-        device = self.params[0].device
         n = spec.numel + len(params) + tail_numel
         self._lay_out(torch.zeros(n, dtype=spec.dtype, device=device))
         self.work: Any = None  # the handle of this bucket's communication, once launched
@@ -170,8 +183,8 @@ class Bucket:
                 grad = grad.detach()  # ([Note: gradients with a graph] in graph_grads.py)
             if self.layouts[slot] is not None or grad is None:
                 self._copy_in(slot, scale, self.as_view)  # DTensor: [Note: Partial gradients]
-            elif grad.data_ptr() == view.data_ptr():
-                in_place.append(view)
+            elif self.as_view and grad.data_ptr() == view.data_ptr():
+                in_place.append(view)  # only with as_view can .grad be the bucket's view
             else:
                 dst.append(view)
                 src.append(grad)
@@ -227,10 +240,11 @@ class Bucket:
         buffer's view where it can be handed over, else a copy; returns the ``(destination,
         source)`` pairs of the copies, to be done in one batch."""
         copies, handed = [], []
+        hands_over = self.hands_over
         for slot, count in enumerate(counts):
             if count == 0:
                 continue  # unused on every rank: like one process, leave .grad as it was
-            if self._can_hand_over(slot):
+            if hands_over and self._can_hand_over(slot):
                 handed.append(slot)
                 continue
             copy = self.write_back(slot)
@@ -276,9 +290,8 @@ class Bucket:
         grad = param.grad
         if self.as_view:
             param.grad = view if layout is None else layout.wrap(view)
-        elif grad is None:  # a DTensor's: a plain one without .grad is handed the buffer
-            assert layout is not None
-            param.grad = layout.wrap(view.clone())
+        elif grad is None:  # unused here, used elsewhere: a gradient of its own
+            param.grad = view.clone() if layout is None else layout.wrap(view.clone())
         elif layout is not None and not layout.matches(grad):
             param.grad = layout.wrap(view.clone())  # was Partial: see [Note: Partial gradients]
         else:
