@@ -104,7 +104,10 @@ class Bucket:
         # Slots whose .grad may become a view of the buffer: see [Note: handing the buffer over].
         device = self.params[0].device
         per_param = spec.numel * spec.dtype.itemsize / max(len(self.params), 1)
-        self.hands_over = device.type == "cpu" and per_param >= HAND_OVER_BYTES
+        self.large = per_param >= HAND_OVER_BYTES  # passes over memory cost more than calls
+        self.hands_over = device.type == "cpu" and self.large
+        # No DTensor, not gradient_as_bucket_view: gradients in and out in one batched call.
+        self.simple = not as_view and all(layout is None for layout in self.layouts)
         plain = [layout is None and not as_view for layout in self.layouts]
         self.plain = [self.hands_over and p for p in plain]
         self.fresh = [False] * len(self.params)  # no .grad when the window opened: open_window
@@ -158,7 +161,8 @@ class Bucket:
     def arrive(self, slot: int) -> None:
         """``params[slot]``'s hook fired: its gradient is final for this backward. The copy
         into the buffer waits for :meth:`gather`, once the whole bucket has arrived."""
-        self._mark_ready(slot)
+        self.ready[slot] = True  # _mark_ready's, inline: this runs once per parameter
+        self.pending -= 1
         self.arrived.append(slot)
 
     def _mark_ready(self, slot: int) -> None:
@@ -173,6 +177,12 @@ class Bucket:
         """Copy (times ``scale``) every arrived gradient into the buffer: one ``_foreach_copy_``
         and one ``_foreach_mul_`` for the bucket instead of a copy per hook, which is what
         keeps the per-parameter cost of the hook path low (a kernel launch each, on a GPU)."""
+        if self.simple:
+            grads = [self.params[slot].grad for slot in self.arrived]
+            if not any(g is None or g.requires_grad for g in grads):  # the common case
+                self._scaled_copy([self.views[slot] for slot in self.arrived], grads, scale)
+                self.arrived = []
+                return
         dst: list[torch.Tensor] = []
         src: list[torch.Tensor] = []
         in_place: list[torch.Tensor] = []  # .grad already is the view (gradient_as_bucket_view)
@@ -191,17 +201,26 @@ class Bucket:
                 if self.as_view:
                     param.grad = view
         self.arrived = []
-        if dst and scale is not None and self.buffer.device.type == "cpu":
-            # On a CPU the passes over memory cost, not the calls: one multiply into the
-            # buffer per gradient reads and writes each element once, where a copy and then a
-            # multiply write it twice (the same bits: one rounding of the product either way).
+        self._scaled_copy(dst, src, scale)
+        if scale is not None and in_place:
+            torch._foreach_mul_(in_place, scale)
+
+    def _scaled_copy(
+        self, dst: list[torch.Tensor], src: list[torch.Tensor], scale: float | None
+    ) -> None:
+        """``dst[i] = src[i] * scale``, the same bits whichever way: one rounding of the
+        product. Large gradients on a CPU, where the passes over memory cost and not the
+        calls, are multiplied into the buffer one by one (each element read and written once,
+        where a copy and then a multiply write it twice); the rest in two batched calls."""
+        if not dst:
+            return
+        if scale is not None and self.large and self.buffer.device.type == "cpu":
             for d, s in zip(dst, src, strict=True):
                 torch.mul(s, scale, out=d)
-            dst = []
-        if dst:
-            torch._foreach_copy_(dst, src)
-        if scale is not None and (dst or in_place):
-            torch._foreach_mul_(dst + in_place, scale)
+            return
+        torch._foreach_copy_(dst, src)
+        if scale is not None:
+            torch._foreach_mul_(dst, scale)
 
     def fill_late(self, slot: int, scale: float | None, zeros: bool = False) -> None:
         """Put ``params[slot].grad`` times ``scale`` (zeros if it has none, or if ``zeros``)
@@ -239,6 +258,10 @@ class Bucket:
         """Give every parameter used on some rank (``counts``) its reduced gradient: the
         buffer's view where it can be handed over, else a copy; returns the ``(destination,
         source)`` pairs of the copies, to be done in one batch."""
+        if self.simple and not self.hands_over and all(counts):
+            grads = [p.grad for p in self.params]
+            if all(g is not None for g in grads):  # the common case: one pair per gradient
+                return list(zip(grads, self.views, strict=True))
         copies, handed = [], []
         hands_over = self.hands_over
         for slot, count in enumerate(counts):
