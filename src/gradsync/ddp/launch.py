@@ -41,13 +41,6 @@ class LaunchQueue:
         self.next = 0  # the next bucket to launch
         self.scale: float | None = None
 
-    def arrive(self, b: int, slot: int, used: Sequence[bool]) -> None:
-        """The hook of slot ``slot`` of bucket ``b`` fired in a synchronised backward."""
-        bucket = self.buckets[b]
-        bucket.arrive(slot)
-        if bucket.pending == 0:
-            self._launch_ready(used)
-
     def launch_rest(self, zeros: bool, used: Sequence[bool]) -> None:
         """At the end of backward: fill the slots no hook filled (with their ``.grad``, or zeros
         for a rank that has joined) and launch every bucket not launched yet."""
@@ -55,7 +48,7 @@ class LaunchQueue:
             for slot in range(len(bucket.params)):
                 if not bucket.ready[slot]:
                     bucket.fill_late(slot, self.scale, zeros=zeros)
-        self._launch_ready(used)
+        self.launch_ready(used)
         assert self.next == len(self.buckets)
 
     def wait_all(self, deadline: Deadline, step: str, host_deadline: bool) -> None:
@@ -75,7 +68,10 @@ class LaunchQueue:
             bucket.reset()
         self.next = 0
 
-    def _launch_ready(self, used: Sequence[bool]) -> None:
+    def launch_ready(self, used: Sequence[bool]) -> None:
+        """Launch every full bucket from the next one on, stopping at the first not full: a
+        bucket filled out of order waits for those before it (a hook's call, once its bucket
+        is full, and the end of backward's)."""
         buckets = self.buckets
         while self.next < len(buckets) and buckets[self.next].pending == 0:
             self._launch(buckets[self.next], used)

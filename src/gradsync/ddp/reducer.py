@@ -245,9 +245,12 @@ class Reducer(TorchReducerMethods):
         else:  # ARMED: the first gradient of a synchronised backward
             check_graph_grads(self.options, self.buckets, self.takes_grads)
             self._start_reduction()
-        if self.buckets[b].ready[slot]:
+        bucket = self.buckets[b]
+        if bucket.ready[slot]:
             raise gradient_twice(self.names[index])
-        self.queue.arrive(b, slot, window.used)
+        bucket.arrive(slot)
+        if bucket.pending == 0:  # the queue launches it, and any after it, in index order
+            self.queue.launch_ready(window.used)
 
     def _accumulation_began(self) -> None:
         """The first gradient of a backward under ``no_sync()``."""
