@@ -64,7 +64,7 @@ Linear(8, 8) layers (300 parameter tensors, tiny compute), so that the step is t
 per parameter and per bucket. torch DDP, gradsync's default (step timeline on), gradsync with
 straggler_every=0 and the module alone run side by side, interleaved round by round, at 1, 2
 and 4 loopback gloo ranks (--worlds); the report gives gradsync / torch DDP and the timeline's
-cost against the targets (<= 1.00x, <= 1.01x). About a minute on 2 vCPUs.
+cost against the targets (<= 1.00x, <= 1.01x). About two minutes on 2 vCPUs.
 """
 
 T = TypeVar("T")
@@ -239,6 +239,12 @@ def _run_host(args: argparse.Namespace) -> int:
     from gradsync.errors import SpawnError
     from gradsync.testing.spawn import spawn
 
+    if min(args.worlds) < 1 or args.steps_per_round < 1 or args.host_layers < 1:
+        print(
+            "gradsync bench: --worlds, --steps-per-round and --host-layers take 1 or more",
+            file=sys.stderr,
+        )
+        return 2
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     results = []
