@@ -73,3 +73,22 @@ def test_bench_cli_on_loopback_writes_report_and_plots(tmp_path: Path) -> None:
     assert "gradsync PowerSGD rank 4 sends >= 20x fewer bytes than fp32" in text
     for png in ["step_vs_bucket.png", "breakdown.png"]:
         assert (out / png).stat().st_size > 1000
+
+
+@pytest.mark.timeout(90)
+def test_bench_host_bound_runs_and_writes_the_targets(tmp_path: Path) -> None:
+    # One world size of two ranks (world size 1 runs in-process in test_bench_report.py).
+    out = tmp_path / "host"
+    flags = "--worlds 2 --host-layers 4 --rounds 2 --warmup 0 --steps-per-round 2".split()
+    cmd = [sys.executable, "-m", "gradsync", "bench", "--where", "host", "--out", str(out)]
+    env = dict(os.environ, OMP_NUM_THREADS="1", TMPDIR=str(tmp_path))
+    proc = subprocess.run(cmd + flags, capture_output=True, text=True, timeout=80, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "host-bound, 2 ranks" in proc.stderr  # the progress bar
+    text = (out / "report.md").read_text()
+    assert "## host-bound, 2 ranks" in text, text
+    assert "- host-bound, 2 ranks: gradsync default step <= 1.00x torch DDP default" in text
+    assert "- host-bound, 2 ranks: the step timeline <= 1.01x of gradsync's step" in text
+    (result,) = json.loads((out / "results.json").read_text())
+    assert result["world"] == 2 and result["num_tensors"] == 8
+    assert all(len(t) == 2 for t in result["step_s"].values())

@@ -9,6 +9,7 @@ import argparse
 import math
 import statistics
 import sys
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -247,3 +248,99 @@ def test_the_torch_baseline_is_built_with_torchs_own_defaults(one_rank) -> None:
 
     defaults = [v.name for v in torch_variants if builds_torchs_default(v.bucket_cap_mb)]
     assert defaults == ["torch DDP default", "torch DDP + bf16_compress_hook"], defaults
+
+
+def fake_host_result(world: int) -> dict[str, Any]:
+    """A ``gradsync bench --where host`` result at one world size, with round numbers."""
+    from gradsync.bench import hostbound
+
+    step = {
+        "torch DDP default": [2.0e-3, 2.0e-3, 4.0e-3],
+        "gradsync default": [2.2e-3, 2.4e-3, 4.2e-3],
+        "gradsync timeline off (straggler_every=0)": [2.2e-3, 2.2e-3, 4.0e-3],
+        "compute only (local)": [1.0e-3, 1.0e-3, 2.0e-3],
+    }
+    return {
+        "label": f"host-bound, {world} ranks",
+        "world": world,
+        "backend": "gloo",
+        "omp_threads": 1,
+        "torch": "2.13.0+cpu",
+        "num_tensors": 300,
+        "num_parameters": 10_800,
+        "config": {"num_layers": 150, "width": 8, "batch_per_rank": 4}
+        | {"steps_per_round": 10, "rounds": 3, "warmup": 1},
+        "variants": [asdict(v) for v in hostbound.HOST_VARIANTS],
+        "all_reduces": {"torch DDP default": 1, "gradsync default": 1},
+        "step_s": step,
+    }
+
+
+def test_host_bound_rows_ratios_and_targets() -> None:
+    from gradsync.bench import host_report
+
+    result = fake_host_result(2)
+    rows = {r.name: r for r in host_report.host_rows(result)}
+    default = rows["gradsync default"]
+    # Round by round 1.1, 1.2, 1.05: median 1.1; medians 2.4 / 2.0 = 1.2.
+    assert default.paired_to_torch == pytest.approx(1.1)
+    assert default.ratio_to_torch == pytest.approx(1.2)
+    assert default.over_local == pytest.approx(1.4e-3)
+    # Timeline on / off round by round 1.0, 1.0909, 1.05: median 1.05; medians 2.4 / 2.2.
+    assert host_report.timeline_cost(result) == (pytest.approx(1.05), pytest.approx(2.4 / 2.2))
+    # gradsync costs 1.4 ms over the module's 1.0, torch DDP 1.0 ms: 1.4x torch's cost.
+    assert host_report.sync_cost_ratio(result) == pytest.approx(1.4)
+    verdicts = {what: met for what, met, _ in host_report.host_targets(result)}
+    assert verdicts == {
+        "gradsync default step <= 1.00x torch DDP default (round by round)": False,
+        "the step timeline <= 1.01x of gradsync's step (default over straggler_every=0, "
+        "round by round)": False,
+    }
+    faster = fake_host_result(1)
+    faster["step_s"]["gradsync default"] = [1.9e-3, 2.0e-3, 3.8e-3]  # 0.95x torch, 0.91x off
+    assert all(met for _, met, _ in host_report.host_targets(faster))
+    text = host_report.markdown_report([faster, result])
+    assert "| 1 | 2.00 | 2.00 | 2.20 | 1.00 | 0.950 | 0.909 | 1.00 |" in text, text
+    assert "| 2 | 2.00 | 2.40 | 2.20 | 1.00 | 1.100 | 1.050 | 1.40 |" in text, text
+    assert "| gradsync default | 2.40 | 2.30-3.30 | 1.200 | 1.100 | 1.40 | 1 |" in text, text
+    assert "| compute only (local) | 1.00 | 1.00-1.50 | 0.500 | 0.500 | 0.00 | - |" in text
+    assert "- host-bound, 2 ranks: gradsync default step <= 1.00x torch DDP default" in text
+    # Round ratios 1.1, 1.2, 1.05: quartiles 1.075 and 1.15.
+    assert "**MISSED** (1.100x, rounds 1.075-1.150; medians: 1.200x)" in text, text
+
+
+def test_host_bound_rank_times_every_variant_in_process(one_rank) -> None:  # type: ignore[no-untyped-def]
+    # The rank body on a world of one in this process: the wiring, not the numbers.
+    from gradsync.bench import hostbound
+
+    cfg = hostbound.HostBoundConfig(num_layers=3, steps_per_round=2, warmup=0, rounds=2)
+    result = hostbound.host_rank(0, 1, cfg)
+    assert result is not None
+    names = [v.name for v in hostbound.HOST_VARIANTS]
+    assert list(result["step_s"]) == names
+    assert all(len(t) == 2 and min(t) > 0 for t in result["step_s"].values())
+    assert (result["num_tensors"], result["num_parameters"]) == (6, 3 * (64 + 8))
+    calls = result["all_reduces"]
+    assert calls["torch DDP default"] == calls["gradsync default"] == 1
+    assert calls["compute only (local)"] == 0
+    off = next(v for v in result["variants"] if v["name"] == hostbound.TIMELINE_OFF_NAME)
+    assert off["straggler_every"] == 0 and result["gradsync_defaults"]["straggler_every"] == 10
+
+
+def test_host_time_finds_every_phase_it_times_and_renders(one_rank, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    # benchmarks/host_time.py times gradsync's phases by wrapping methods of one wrapper's
+    # objects (its POINTS): a change to the library that moves one makes it say "not found"
+    # and leaves that time to a coarser phase. Here every point must be found and called.
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    import host_time
+
+    args = argparse.Namespace(layers=3, width=8, batch=4, steps_per_round=2, rounds=2)
+    result = host_time.measure(argparse.Namespace(**vars(args), warmup=0, profile=True))
+    assert result is not None and result["missing"] == []
+    calls = result["calls_per_step"]["gradsync, instrumented"]
+    for phase, _ in host_time.POINTS:
+        assert calls[phase] >= 1, (phase, calls)
+    assert calls["hooks, per parameter"] == 6  # one per parameter tensor
+    text = host_time.report(result)
+    assert "| reduction start: buffers laid out again | 1 |" in text, text
+    assert "| torch DDP |" in text and "gradsync::bucket_copy_in" in text, text

@@ -4,6 +4,7 @@
     gradsync bench --where loopback --rounds 3      # no root needed
     gradsync bench --rate-mbit 500 --out runs/bench-500
     gradsync bench --trace --out runs/trace        # a profiler trace per rank, in seconds
+    gradsync bench --where host                     # host-bound: 300 tiny tensors, 1, 2, 4 ranks
 
 (``python -m gradsync bench`` takes the same flags.) Both settings run two ranks, one thread
 each, and the same worker (:mod:`gradsync.bench.worker`): on a
@@ -17,6 +18,10 @@ to ``--out``. The default model (12.7M parameters, 50.7 MB of float32 gradients)
 (1000 Mbit/s) are chosen so that, on a 2-vCPU machine, compute (~0.35 s) and communication
 (~0.45 s, ring bound 0.42 s) are within 2x of each other: that is where overlap matters and
 where bucketing choices show.
+
+``--where host`` times another model: one whose step is nearly all host work, the proxy for a
+GPU waiting on its host, at 1, 2 and 4 loopback ranks (:mod:`gradsync.bench.hostbound`); it
+writes ``results.json`` and ``report.md`` and needs no matplotlib.
 
 ``--trace`` measures nothing: it profiles a few steps on loopback and writes one
 Chrome/Perfetto trace per rank with gradsync's ranges in it (:mod:`gradsync.bench.trace`).
@@ -32,12 +37,13 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
 
 from tqdm import tqdm
 
-from gradsync.bench import report, trace
+from gradsync.bench import host_report, hostbound, report, trace
 from gradsync.bench.plots import plot_breakdown, plot_step_vs_bucket
 from gradsync.bench.worker import add_model_arguments
 
@@ -52,10 +58,18 @@ default run takes ~3 minutes on 2 vCPUs (--rounds sets the length). --trace inst
 a few steps on loopback and writes one Chrome/Perfetto trace per rank (open them at
 https://ui.perfetto.dev), with a table of gradsync's ranges (copy-in, launch, wait, checks,
 write-back) per rank.
+
+--where host times a host-bound step instead, the proxy for a GPU waiting on its host: 150
+Linear(8, 8) layers (300 parameter tensors, tiny compute), so that the step is the host's work
+per parameter and per bucket. torch DDP, gradsync's default (step timeline on), gradsync with
+straggler_every=0 and the module alone run side by side, interleaved round by round, at 1, 2
+and 4 loopback gloo ranks (--worlds); the report gives gradsync / torch DDP and the timeline's
+cost against the targets (<= 1.00x, <= 1.01x). About two minutes on 2 vCPUs.
 """
 
 T = TypeVar("T")
 NODES = 2  # a ring over 2 nodes: every byte crosses the shaped link once in each direction
+ROUNDS = 5  # timed rounds of the GPT settings when --rounds is not given
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -63,10 +77,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default="runs/bench", help="output folder (default runs/bench)")
     parser.add_argument(
         "--where",
-        choices=["both", "cluster", "loopback"],
+        choices=["both", "cluster", "loopback", "host"],
         default="both",
         help="settings to measure (default both; 'both' falls back to loopback alone where a "
-        "simulated cluster cannot be built, e.g. without root)",
+        "simulated cluster cannot be built, e.g. without root); 'host': the host-bound model "
+        "on loopback at --worlds ranks, instead of the GPT",
     )
     parser.add_argument(
         "--rate-mbit",
@@ -78,7 +93,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--timeout-s", type=float, default=900.0, help="hard limit per setting (default 900)"
     )
     trace.add_arguments(parser)
-    add_model_arguments(parser)
+    add_model_arguments(parser, rounds=None)
+    hostbound.add_arguments(parser)
 
 
 # What the report needs beyond gradsync's own dependencies, checked before minutes of
@@ -100,10 +116,14 @@ def run(args: argparse.Namespace) -> int:
 
     if args.trace:  # no plots, so no matplotlib needed
         return trace.run(args)
+    if args.where == "host":  # no plots either
+        return _run_host(args)
     missing = missing_optional()
     if missing is not None:
         print(missing, file=sys.stderr)
         return 2
+    if args.rounds is None:
+        args.rounds = ROUNDS
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     settings = ["cluster", "loopback"] if args.where == "both" else [args.where]
@@ -211,6 +231,55 @@ def _run_loopback(args: argparse.Namespace, out: Path) -> dict[str, Any] | None:
     result: dict[str, Any] = ranks[0]
     result.update(label=label, setting="loopback", rate_mbit=None, nodes=1)
     return result
+
+
+def _run_host(args: argparse.Namespace) -> int:
+    """The host-bound model at each of ``--worlds`` on loopback, one world size after the
+    other; then the JSON and the report."""
+    from gradsync.errors import SpawnError
+    from gradsync.testing.spawn import spawn
+
+    if min(args.worlds) < 1 or args.steps_per_round < 1 or args.host_layers < 1:
+        print(
+            "gradsync bench: --worlds, --steps-per-round and --host-layers take 1 or more",
+            file=sys.stderr,
+        )
+        return 2
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    results = []
+    for world in args.worlds:
+        label = f"host-bound, {world} rank{'s' * (world != 1)}"
+        progress = out / f"host-{world}.progress"
+        cfg = hostbound.config(args, str(progress.resolve()))
+        t0, load_before = time.perf_counter(), os.getloadavg()[0]
+        try:
+            ranks = _follow(
+                label,
+                progress,
+                partial(
+                    spawn,
+                    hostbound.host_rank,
+                    world,
+                    (cfg,),
+                    pg_timeout_s=min(args.timeout_s, 300.0),
+                    timeout_s=args.timeout_s,
+                ),
+            )
+        except SpawnError as exc:
+            print(f"gradsync bench: {label} failed: {exc}", file=sys.stderr)
+            return 1
+        result: dict[str, Any] = ranks[0]
+        result.update(label=label, setting="host", loadavg_1min=[load_before, os.getloadavg()[0]])
+        result["wall_s"] = time.perf_counter() - t0
+        results.append(result)
+    with open(out / "results.json", "w") as f:
+        json.dump(results, f, indent=1)
+    text = host_report.markdown_report(results)
+    (out / "report.md").write_text(text)
+    print(text)
+    print(f"gradsync bench: wrote {out / 'report.md'} and {out / 'results.json'}")
+    return 0
 
 
 def _follow(label: str, progress: Path, fn: Callable[[], T]) -> T:

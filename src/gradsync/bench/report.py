@@ -308,7 +308,7 @@ def setting_header(result: dict[str, Any]) -> str:
         f"parameters ({cfg['n_layer']} layers x {cfg['n_embd']}), {result['dtype']}, "
         f"{result['grad_bytes'] / 1e6:.3g} MB of gradients, batch {cfg['batch_per_rank']}x"
         f"{cfg['block_size']} tokens per rank; {cfg['rounds']} timed rounds after "
-        f"{cfg['warmup']} warm-up" + _load_note(result)
+        f"{cfg['warmup']} warm-up" + load_note(result)
     )
 
 
@@ -320,7 +320,8 @@ def defaults_note(result: dict[str, Any]) -> str:
     return f"gradsync rows use the wrapper's defaults apart from bucket_cap_mb ({shown})."
 
 
-def _load_note(result: dict[str, Any]) -> str:
+def load_note(result: dict[str, Any]) -> str:
+    """The run's 1-minute load average before and after, as a clause (empty without it)."""
     if "loadavg_1min" not in result:
         return ""
     before, after = result["loadavg_1min"]
@@ -369,6 +370,15 @@ def busbw_table(results: Sequence[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def target_lines(label: str, verdicts: Sequence[tuple[str, bool | None, str]]) -> list[str]:
+    """One line per target of a setting: met, MISSED or n/a, and the numbers."""
+    lines = []
+    for what, met, numbers in verdicts:
+        verdict = "n/a" if met is None else "met" if met else "MISSED"
+        lines.append(f"- {label}: {what}: **{verdict}** ({numbers})")
+    return lines
+
+
 def markdown_report(results: Sequence[dict[str, Any]], plots: Sequence[str] = ()) -> str:
     """The whole report: per-setting step tables, bus bandwidth, targets, plot links."""
     parts = ["# gradsync bench", ""]
@@ -379,9 +389,7 @@ def markdown_report(results: Sequence[dict[str, Any]], plots: Sequence[str] = ()
     parts += ["## all-reduce bus bandwidth (float32, one tensor)", "", busbw_table(results), ""]
     parts += ["## targets", ""]
     for result in results:
-        for what, met, numbers in targets(result):
-            verdict = "n/a" if met is None else "met" if met else "MISSED"
-            parts.append(f"- {result['label']}: {what}: **{verdict}** ({numbers})")
+        parts += target_lines(result["label"], targets(result))
     parts.append("")
     parts += [f"![{p}]({p})" for p in plots]
     return "\n".join(parts) + "\n"

@@ -14,6 +14,7 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -66,25 +67,37 @@ def _build(
     """(model to call, underlying module, what to run after backward)."""
     torch.manual_seed(0)
     gpt = GPT(cfg.gpt_config()).to(_device(cfg))
+    model, after_backward = wrap(variant, gpt)
+    return model, gpt, after_backward
+
+
+def wrap(variant: Variant, module: nn.Module) -> tuple[nn.Module, Callable[[], None]]:
+    """``module`` wrapped as ``variant`` synchronises it: (model to call, what to run after
+    backward). Any model: the GPT of ``gradsync bench``, the host-bound stack of
+    :mod:`gradsync.bench.hostbound`."""
     if variant.kind == "naive":
-        return gpt, gpt, lambda: gradsync.average_gradients(gpt)
+        return module, lambda: gradsync.average_gradients(module)
     if variant.kind == "gradsync":
+        options: dict[str, Any] = {}
+        if variant.straggler_every is not None:  # else the wrapper's own default
+            options["straggler_every"] = variant.straggler_every
         ddp = gradsync.DistributedDataParallel(
-            gpt,
+            module,
             bucket_cap_mb=wrapper_cap(variant.bucket_cap_mb),
             first_bucket_cap_mb=variant.first_bucket_cap_mb,
             algorithm=variant.algorithm,
+            **options,
         )
-        return ddp, gpt, lambda: None
+        return ddp, lambda: None
     if variant.kind == "gradsync_auto":  # profiles its first steps, then switches plan
-        return gradsync.DistributedDataParallel(gpt, bucket_cap_mb="auto"), gpt, lambda: None
+        return gradsync.DistributedDataParallel(module, bucket_cap_mb="auto"), lambda: None
     if variant.kind == "torch_ddp":
         caps = torch_ddp_caps(variant.bucket_cap_mb)
-        return torch.nn.parallel.DistributedDataParallel(gpt, **caps), gpt, lambda: None
+        return torch.nn.parallel.DistributedDataParallel(module, **caps), lambda: None
     if variant.kind == "local":
-        return gpt, gpt, lambda: None
+        return module, lambda: None
     if variant.kind in ("gradsync_wire", "torch_ddp_hook"):
-        return wire.build(variant, gpt), gpt, lambda: None
+        return wire.build(variant, module), lambda: None
     raise ValueError(f"unknown variant kind {variant.kind!r}")
 
 

@@ -46,3 +46,5 @@ class Variant:
     algorithm: str = "native"
     first_bucket_cap_mb: float | None = 1.0
     wire: str | None = None  # "bf16" or "powersgd" for the wire-format kinds
+    straggler_every: int | None = None  # gradsync's step timeline: None keeps the wrapper's
+    # default (10), 0 turns it off

@@ -287,16 +287,28 @@ def _checked_cap(text: str) -> str:
     return text
 
 
-def add_model_arguments(p: argparse.ArgumentParser) -> None:
-    """Flags shared with the ``gradsync bench`` driver, which forwards them here."""
+def add_model_arguments(p: argparse.ArgumentParser, rounds: int | None = 5) -> None:
+    """Flags shared with the ``gradsync bench`` driver, which forwards them here (its
+    ``--rounds`` defaults to ``None``: 5 for the GPT, more with ``--where host``)."""
     p.add_argument("--n-layer", type=int, default=4)
     p.add_argument("--n-embd", type=int, default=512)
     p.add_argument("--n-head", type=int, default=8)
     p.add_argument("--vocab-size", type=int, default=64)
     p.add_argument("--block-size", type=int, default=64)
-    p.add_argument("--batch-per-rank", type=int, default=4, help="sequences per rank per step")
+    p.add_argument(
+        "--batch-per-rank",
+        type=int,
+        default=4,
+        help="sequences per rank per step (--where host: rows)",
+    )
     p.add_argument("--warmup", type=int, default=1, help="untimed rounds after 3 untimed steps")
-    p.add_argument("--rounds", type=int, default=5, help="timed rounds (one step per variant)")
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=rounds,
+        help="timed rounds (one step per variant; default 5, or with --where host 40 rounds of "
+        "--steps-per-round steps)",
+    )
     p.add_argument(
         "--caps",
         nargs="+",
