@@ -180,7 +180,8 @@ class Bucket:
         if self.simple:
             grads = [self.params[slot].grad for slot in self.arrived]
             if not any(g is None or g.requires_grad for g in grads):  # the common case
-                self._scaled_copy([self.views[slot] for slot in self.arrived], grads, scale)
+                whole = len(grads) == len(self.params)  # none filled late: all of self.grads
+                self._scaled_copy([self.views[s] for s in self.arrived], grads, scale, whole)
                 self.arrived = []
                 return
         dst: list[torch.Tensor] = []
@@ -206,12 +207,18 @@ class Bucket:
             torch._foreach_mul_(in_place, scale)
 
     def _scaled_copy(
-        self, dst: list[torch.Tensor], src: list[torch.Tensor], scale: float | None
+        self,
+        dst: list[torch.Tensor],
+        src: list[torch.Tensor],
+        scale: float | None,
+        whole: bool = False,
     ) -> None:
         """``dst[i] = src[i] * scale``, the same bits whichever way: one rounding of the
         product. Large gradients on a CPU, where the passes over memory cost and not the
         calls, are multiplied into the buffer one by one (each element read and written once,
-        where a copy and then a multiply write it twice); the rest in two batched calls."""
+        where a copy and then a multiply write it twice); the rest are copied in one batched
+        call and multiplied in one more: the whole gradient region at once where ``dst``
+        covers it (``whole``; a CPU's batched calls are a loop over the tensors)."""
         if not dst:
             return
         if scale is not None and self.large and self.buffer.device.type == "cpu":
@@ -219,7 +226,9 @@ class Bucket:
                 torch.mul(s, scale, out=d)
             return
         torch._foreach_copy_(dst, src)
-        if scale is not None:
+        if scale is not None and whole:
+            self.grads.mul_(scale)
+        elif scale is not None:
             torch._foreach_mul_(dst, scale)
 
     def fill_late(self, slot: int, scale: float | None, zeros: bool = False) -> None:
