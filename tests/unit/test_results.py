@@ -8,6 +8,8 @@ unused in some steps, accumulation under ``no_sync``, a parameter set changed af
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -102,3 +104,25 @@ def test_one_rank_errors_are_the_same(one_rank, compared) -> None:  # type: igno
     with pytest.raises(ParametersChangedError, match="a.weight"):
         step(model)
     assert len(compared) == 3 and not any(from_device for from_device, _ in compared)
+
+
+def test_a_world_of_one_issues_no_all_reduce_and_keeps_its_gradients(one_rank, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    # A sum over one rank is the tensor itself: the native all-reduce issues nothing.
+    calls = []
+    real = torch.distributed.all_reduce
+
+    def counted(*args, **kwargs):  # type: ignore[no-untyped-def]
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch.distributed, "all_reduce", counted)
+    torch.manual_seed(0)
+    plain = TwoHeads()
+    model = gradsync.DistributedDataParallel(copy.deepcopy(plain), find_unused_parameters=True)
+    before = len(calls)
+    step(model, "a")
+    step(plain, "a")
+    assert len(calls) == before  # no collective for the gradients
+    for p, q in zip(model.module.parameters(), plain.parameters(), strict=True):
+        if q.grad is not None:
+            assert torch.equal(p.grad, q.grad)

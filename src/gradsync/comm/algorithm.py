@@ -48,12 +48,29 @@ class AllReduceAlgorithm(ABC):
         """Start an in-place sum of ``tensor`` over ``group`` and return its handle."""
 
 
+class Done:
+    """The handle of a sum over one rank: nothing to add, so done as it starts."""
+
+    def wait(self, timeout: object = None) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+
+DONE = Done()
+
+
 class NativeAllReduce(AllReduceAlgorithm):
-    """``dist.all_reduce`` with ``ReduceOp.SUM``; the backend picks its own algorithm."""
+    """``dist.all_reduce`` with ``ReduceOp.SUM``; the backend picks its own algorithm. A world
+    of one sums nothing: the tensor is its own sum, and no collective is issued (the backend's
+    would cost the host a launch and a wait, on a GPU a kernel too)."""
 
     name = "native"
 
     def all_reduce(self, tensor: torch.Tensor, group: dist.ProcessGroup | None = None) -> Handle:
+        if (group.size() if group is not None else dist.get_world_size()) == 1:
+            return DONE
         nbytes = tensor.numel() * tensor.element_size()
         self.stats.calls += 1
         # What the backend moves internally is its business; we count what we hand it.

@@ -4,10 +4,10 @@ and out of it.
 A bucket's buffer holds its gradients, then one used flag per parameter (see [Note: used
 flags] below) and, in the first bucket, every rank's records of the step (see
 [Note: bucket 0's tail] in ``tail.py``). :class:`Bucket` copies each gradient in once its
-whole bucket has arrived, and after the sum mostly hands the buffer over rather than copying
-out of it (see [Note: handing the buffer over] below); :class:`AccumulatingBucket`
-(``main_grad_dtype``) owns the gradients instead, adding each micro-batch's into its buffer as
-it arrives (see [Note: main gradients] in ``main_grads.py``).
+whole bucket has arrived, and after the sum hands large gradients' buffer over rather than
+copying out of it (see [Note: handing the buffer over] below); ``AccumulatingBucket``
+(``main_grad_dtype``, in ``main_grads.py``) owns the gradients instead, adding each
+micro-batch's into its buffer as it arrives (see [Note: main gradients] there).
 
 [Note: used flags]
 Each bucket carries, after its gradients, one element per parameter: 1 if the parameter got a
@@ -54,7 +54,7 @@ and the bucket holds no second buffer while the gradients hold the first.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -183,7 +183,8 @@ class Bucket:
             grads = [self.params[slot].grad for slot in self.arrived]
             if not any(g is None or g.requires_grad for g in grads):  # the common case
                 whole = len(grads) == len(self.params)  # none filled late: all of self.grads
-                self._scaled_copy([self.views[s] for s in self.arrived], grads, scale, whole)
+                present = cast(list[torch.Tensor], grads)  # checked above: none is None
+                self._scaled_copy([self.views[s] for s in self.arrived], present, scale, whole)
                 self.arrived = []
                 return
         dst: list[torch.Tensor] = []
@@ -272,7 +273,7 @@ class Bucket:
         if self.simple and not self.hands_over and all(counts):
             grads = [p.grad for p in self.params]
             if all(g is not None for g in grads):  # the common case: one pair per gradient
-                return list(zip(grads, self.views, strict=True))
+                return list(zip(cast(list[torch.Tensor], grads), self.views, strict=True))
         copies, handed = [], []
         hands_over = self.hands_over
         for slot, count in enumerate(counts):
@@ -331,74 +332,6 @@ class Bucket:
         else:
             return local(grad), view
         return None
-
-
-class AccumulatingBucket(Bucket):
-    """A bucket that owns its parameters' gradients (``main_grad_dtype``): each hook adds the
-    gradient, as autograd produced it, into the buffer in the buffer's dtype and frees
-    ``.grad``, under ``no_sync()`` too; the window's sum is scaled in place before the
-    communication, and after it ``p.main_grad`` is a view of the buffer and ``.grad`` that
-    gradient rounded to the parameter's dtype. See [Note: main gradients] in ``main_grads.py``
-    (no DTensor parameters, no ``gradient_as_bucket_view``: the wrapper refuses both).
-    """
-
-    def open_window(self, training: bool) -> None:
-        """Zero the buffer for a new accumulation window, after moving the last reduction's
-        ``main_grad`` into a copy if the forward is an eval one ([Note: eval forwards keep main
-        gradients] in ``main_grads.py``)."""
-        if not training:
-            self._keep_main_grads()
-        self.grads.zero_()
-
-    def _keep_main_grads(self) -> None:
-        """Point every ``main_grad`` that is a view of the buffer at a copy of it: one copy of
-        the bucket's gradients, not one per parameter."""
-        copy = None
-        for slot, param in enumerate(self.params):
-            if getattr(param, "main_grad", None) is not self.views[slot]:
-                continue  # none yet, or already a copy
-            if copy is None:
-                copy = self.grads.clone()
-            offset, view = self.spec.offsets[slot], self.views[slot]
-            param.main_grad = copy[offset : offset + view.numel()].view(view.shape)  # type: ignore[attr-defined]
-
-    def arrive(self, slot: int) -> None:
-        self._mark_ready(slot)
-        self.accumulate(slot)
-
-    def accumulate(self, slot: int) -> None:
-        """Add ``params[slot].grad`` to its slot in the buffer's dtype and free it."""
-        param = self.params[slot]
-        if param.grad is not None:
-            self.views[slot].add_(param.grad)
-            param.grad = None
-
-    def gather(self, scale: float | None) -> None:
-        if scale is not None:  # everything is in the buffer already, unscaled
-            self.grads.mul_(scale)
-
-    def _copy_in(
-        self, slot: int, scale: float | None, view_grad: bool, zeros: bool = False
-    ) -> None:
-        if zeros:  # else the slot holds what the window accumulated, scaled in gather
-            self.views[slot].zero_()
-
-    def results(self, counts: Sequence[float]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        copies = []
-        for slot, count in enumerate(counts):
-            if count != 0:  # unused on every rank: like one process, leave .grad as it was
-                copy = self.write_back(slot)
-                if copy is not None:
-                    copies.append(copy)
-        return copies
-
-    def write_back(self, slot: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-        param, view = self.params[slot], self.views[slot]
-        param.main_grad = view  # type: ignore[attr-defined]
-        if param.grad is None:
-            param.grad = view.to(param.dtype, copy=True)
-            return None
-        return param.grad, view
 
 
 def write_back(buckets: Sequence[Bucket], counts: list[list[float]]) -> None:

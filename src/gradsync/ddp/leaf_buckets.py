@@ -19,7 +19,8 @@ import torch
 from torch import nn
 
 from gradsync.comm.tree import Node, TreeFold
-from gradsync.ddp.buckets import AccumulatingBucket, Bucket
+from gradsync.ddp.buckets import Bucket
+from gradsync.ddp.main_grads import AccumulatingBucket
 from gradsync.ddp.plan import BucketSpec
 
 

@@ -58,6 +58,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from gradsync.ddp.buckets import Bucket
 from gradsync.errors import UsageError
 from gradsync.mesh.dtensors import GradLayout
 
@@ -121,3 +122,71 @@ def move_main_grads(params: Sequence[nn.Parameter], views: Sequence[torch.Tensor
             continue  # never reduced: no main_grad yet, as with the fixed plan
         view.copy_(main)
         param.main_grad = view  # type: ignore[attr-defined]
+
+
+class AccumulatingBucket(Bucket):
+    """A bucket that owns its parameters' gradients (``main_grad_dtype``): each hook adds the
+    gradient, as autograd produced it, into the buffer in the buffer's dtype and frees
+    ``.grad``, under ``no_sync()`` too; the window's sum is scaled in place before the
+    communication, and after it ``p.main_grad`` is a view of the buffer and ``.grad`` that
+    gradient rounded to the parameter's dtype. See [Note: main gradients] in ``main_grads.py``
+    (no DTensor parameters, no ``gradient_as_bucket_view``: the wrapper refuses both).
+    """
+
+    def open_window(self, training: bool) -> None:
+        """Zero the buffer for a new accumulation window, after moving the last reduction's
+        ``main_grad`` into a copy if the forward is an eval one ([Note: eval forwards keep main
+        gradients] in ``main_grads.py``)."""
+        if not training:
+            self._keep_main_grads()
+        self.grads.zero_()
+
+    def _keep_main_grads(self) -> None:
+        """Point every ``main_grad`` that is a view of the buffer at a copy of it: one copy of
+        the bucket's gradients, not one per parameter."""
+        copy = None
+        for slot, param in enumerate(self.params):
+            if getattr(param, "main_grad", None) is not self.views[slot]:
+                continue  # none yet, or already a copy
+            if copy is None:
+                copy = self.grads.clone()
+            offset, view = self.spec.offsets[slot], self.views[slot]
+            param.main_grad = copy[offset : offset + view.numel()].view(view.shape)  # type: ignore[attr-defined]
+
+    def arrive(self, slot: int) -> None:
+        self._mark_ready(slot)
+        self.accumulate(slot)
+
+    def accumulate(self, slot: int) -> None:
+        """Add ``params[slot].grad`` to its slot in the buffer's dtype and free it."""
+        param = self.params[slot]
+        if param.grad is not None:
+            self.views[slot].add_(param.grad)
+            param.grad = None
+
+    def gather(self, scale: float | None) -> None:
+        if scale is not None:  # everything is in the buffer already, unscaled
+            self.grads.mul_(scale)
+
+    def _copy_in(
+        self, slot: int, scale: float | None, view_grad: bool, zeros: bool = False
+    ) -> None:
+        if zeros:  # else the slot holds what the window accumulated, scaled in gather
+            self.views[slot].zero_()
+
+    def results(self, counts: Sequence[float]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        copies = []
+        for slot, count in enumerate(counts):
+            if count != 0:  # unused on every rank: like one process, leave .grad as it was
+                copy = self.write_back(slot)
+                if copy is not None:
+                    copies.append(copy)
+        return copies
+
+    def write_back(self, slot: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        param, view = self.params[slot], self.views[slot]
+        param.main_grad = view  # type: ignore[attr-defined]
+        if param.grad is None:
+            param.grad = view.to(param.dtype, copy=True)
+            return None
+        return param.grad, view

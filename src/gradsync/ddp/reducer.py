@@ -16,7 +16,7 @@ from torch.utils.hooks import RemovableHandle
 
 from gradsync.comm import CommHook
 from gradsync.ddp import owners
-from gradsync.ddp.buckets import AccumulatingBucket, Bucket, write_back
+from gradsync.ddp.buckets import Bucket, write_back
 from gradsync.ddp.checks.graph_grads import check_graph_grads, is_graph_grad
 from gradsync.ddp.checks.param_watch import ParameterWatch
 from gradsync.ddp.checks.readout import read_step, unused_somewhere
@@ -30,7 +30,7 @@ from gradsync.ddp.checks.verdicts import (
 from gradsync.ddp.compat.torch_reducer import TorchReducerMethods
 from gradsync.ddp.hooks import hook_parameters
 from gradsync.ddp.launch import LaunchQueue
-from gradsync.ddp.main_grads import move_main_grads
+from gradsync.ddp.main_grads import AccumulatingBucket, move_main_grads
 from gradsync.ddp.options import SyncOptions
 from gradsync.ddp.plan import BucketSpec
 from gradsync.ddp.reduction import Reduction
