@@ -19,6 +19,7 @@ from gradsync.ddp.checks.tags import StepTag
 from gradsync.ddp.tail import GivenRider, TailLayout
 from gradsync.timing import PHASES, RankStep, StepTimeline, Thresholds, slots
 from gradsync.timing.attribution import attribute, describe, metrics
+from gradsync.timing.clock import DeviceClock
 from gradsync.timing.phases import PhaseRecorder
 from gradsync.timing.slots import LIMIT_MS, MAX_LAUNCHES, decode, encode, fields_per_rank
 
@@ -37,6 +38,9 @@ class ScriptedClock:
 
     def reached(self, mark: Any) -> bool:
         return True
+
+    def release(self, marks: list[Any]) -> None:
+        pass
 
 
 class LaggingClock(ScriptedClock):
@@ -155,6 +159,50 @@ def test_one_rank_on_a_gpu_reads_an_interval_a_step_late_rather_than_wait_for_th
     # Each record under the step whose end closed it: 14 ms + that step's extra data.
     got = {s: recs[0].interval for s, recs in timeline.history if recs[0] is not None}
     assert got == pytest.approx({1: 15.0, 2: 16.0, 4: 18.0})  # 3: dropped when the GPU caught up
+
+
+class _ScriptedEvent:
+    """A CUDA event's part that DeviceClock uses: recorded at the scripted clock's time."""
+
+    clock: ScriptedClock = ScriptedClock()
+    created = 0
+
+    def __init__(self, enable_timing: bool = False) -> None:
+        type(self).created += 1
+        self.t: float | None = None
+
+    def record(self, stream: object = None) -> None:
+        self.t = self.clock.now
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        pass
+
+    def elapsed_time(self, end: _ScriptedEvent) -> float:
+        assert self.t is not None and end.t is not None
+        return (end.t - self.t) * 1e3
+
+
+def test_a_gpus_marks_are_recorded_again_once_their_interval_was_read(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    # Creating a CUDA event costs the host ~12 us at its first record: DeviceClock keeps them.
+    # A mark released too early (the end of an interval, which starts the next) would move
+    # the next interval's start, and its duration with it.
+    scripted = ScriptedClock()
+    monkeypatch.setattr(_ScriptedEvent, "clock", scripted)
+    monkeypatch.setattr(_ScriptedEvent, "created", 0)
+    monkeypatch.setattr(torch.cuda, "Event", _ScriptedEvent)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: None)
+    rec = PhaseRecorder(DeviceClock(torch.device("cuda", 0)))
+    t, got = 0.0, []
+    for step in range(20):
+        t = _step(rec, scripted, t + step, micro=2)  # step s has s ms more of data
+        record = rec.resolve()
+        got.append(None if record is None else record.interval)
+    assert got[0] is None  # the first step's interval has no start
+    assert got[1:] == pytest.approx([24.0 + s for s in range(1, 20)])
+    assert _ScriptedEvent.created <= 20  # about a step's marks (9), not 9 a step
 
 
 def test_a_gpu_more_than_a_step_behind_is_waited_for_at_the_older_interval() -> None:

@@ -170,6 +170,19 @@ class PhaseRecorder:
         else:
             return None
         start, spans, launches, end = entry
+        record = self._record(start, spans, launches, end)
+        # Every mark of the interval but its end, which is the next interval's start, is read
+        # for the last time (one object may end a phase and begin the next: counted once).
+        done = {id(m): m for _, b, e in spans for m in (b, e)} | {id(start): start}
+        done |= {id(m): m for m in launches.values()}
+        done.pop(id(end), None)
+        self.clock.release(list(done.values()))
+        return record
+
+    def _record(
+        self, start: Any, spans: list[tuple[str, Any, Any]], launches: dict[int, Any], end: Any
+    ) -> RankStep:
+        """The interval from ``start`` to ``end`` as phase durations and launch times (ms)."""
         offset = self.clock.elapsed_ms
         total = offset(start, end)
         # Milliseconds from the start; a step whose closure synchronised began before it.
