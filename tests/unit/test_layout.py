@@ -99,7 +99,7 @@ def test_no_file_or_function_is_too_long_to_read() -> None:
 # points back up. The optimizers (ZeRO-1, fp32 master weights, clipping) work on any module's
 # parameters and sit below the wrapper, which builds ZeRO-1 from them.
 LAYERS = [
-    {"errors", "elastic"},
+    {"errors", "elastic", "lifetime"},
     {"mesh"},
     {"failfast"},  # deadlines, arrival records, the private group: what every collective uses
     {"timing"},  # every rank's step phases, straggler reports, profiler ranges

@@ -23,9 +23,9 @@ from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
-from torch.utils.hooks import RemovableHandle
 
 from gradsync.failfast.deadline import Deadline
+from gradsync.lifetime import HeldHooks
 from gradsync.optim import agree
 
 
@@ -42,8 +42,8 @@ class Owner(Protocol):
 
 # id(parameter) -> the live reducer whose hooks it carries.
 _owners: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
-_finder: RemovableHandle | None = None  # agree's finder of a wrapper's ranks, while installed
-_num_reducers = 0  # live reducers that took parameters over (each one's finalizer counts it out)
+# agree's finder of a wrapper's ranks, registered while a reducer that took parameters over lives.
+_FINDER = HeldHooks(lambda: [agree.add_peer_finder(_wrapper_peers)])
 
 
 def take_over(reducer: Owner) -> None:
@@ -53,24 +53,7 @@ def take_over(reducer: Owner) -> None:
         if previous is not None and previous is not reducer:  # another wrapper's: one each
             previous.retire(f"wrapped again at {_caller()}")
         _owners[id(p)] = reducer
-    _hold_finder(reducer)
-
-
-def _hold_finder(reducer: Owner) -> None:
-    """Keep agree's finder of a wrapper's ranks registered while ``reducer`` lives."""
-    global _finder, _num_reducers
-    if _finder is None:
-        _finder = agree.add_peer_finder(_wrapper_peers)
-    _num_reducers += 1
-    weakref.finalize(reducer, _release_finder)
-
-
-def _release_finder() -> None:
-    global _finder, _num_reducers
-    _num_reducers -= 1
-    if _num_reducers == 0 and _finder is not None:
-        _finder.remove()
-        _finder = None
+    _FINDER.hold(reducer)
 
 
 def _caller() -> str:

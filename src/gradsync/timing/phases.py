@@ -33,8 +33,8 @@ from torch.optim.optimizer import (
     register_optimizer_step_post_hook,
     register_optimizer_step_pre_hook,
 )
-from torch.utils.hooks import RemovableHandle
 
+from gradsync.lifetime import HeldHooks
 from gradsync.timing.clock import DeviceClock, HostClock
 
 PHASES = ("data", "forward", "backward", "optimizer", "exposed_comm")
@@ -208,27 +208,17 @@ class PhaseRecorder:
 # wrapper). A step that raises never reaches the post hook: the same optimizer's next step
 # starts over.
 _live: weakref.WeakSet[PhaseRecorder] = weakref.WeakSet()
-_hooks: list[RemovableHandle] = []  # torch's handles of the two global hooks, while installed
-_num_live = 0  # live recorders (each one's finalizer counts it out)
+_HOOKS = HeldHooks(
+    lambda: [
+        register_optimizer_step_pre_hook(_pre_step),
+        register_optimizer_step_post_hook(_post_step),
+    ]
+)
 
 
 def _listen(recorder: PhaseRecorder) -> None:
-    global _num_live
-    if not _hooks:
-        _hooks.append(register_optimizer_step_pre_hook(_pre_step))
-        _hooks.append(register_optimizer_step_post_hook(_post_step))
     _live.add(recorder)
-    _num_live += 1
-    weakref.finalize(recorder, _unlisten)
-
-
-def _unlisten() -> None:
-    global _num_live
-    _num_live -= 1
-    if _num_live == 0:
-        for handle in _hooks:
-            handle.remove()
-        _hooks.clear()
+    _HOOKS.hold(recorder)
 
 
 def _pre_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:

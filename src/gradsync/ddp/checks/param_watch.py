@@ -25,20 +25,18 @@ from __future__ import annotations
 
 import itertools
 import operator
-import weakref
 from collections.abc import Callable
 from collections.abc import Set as AbstractSet
 
 from torch import nn
 from torch.nn.modules import module as torch_module
-from torch.utils.hooks import RemovableHandle
+
+from gradsync.lifetime import HeldHooks
 
 _requires_grad = operator.attrgetter("requires_grad")
 _version = operator.attrgetter("_version")  # bumped by every in-place update of a tensor
 _registrations = itertools.count(1)
 _generation = 0  # bumped whenever any module anywhere registers a parameter or submodule
-_handles: list[RemovableHandle] = []  # torch's two global hooks, while a watch lives
-_num_watches = 0  # live watches (each one's finalizer counts it out)
 
 
 def _bump(*_args: object) -> None:
@@ -46,31 +44,17 @@ def _bump(*_args: object) -> None:
     _generation = next(_registrations)
 
 
-def _listen(watch: ParameterWatch) -> None:
-    """Keep torch's global registration hooks installed while ``watch`` lives: installed with
-    the first live watch, so that importing gradsync changes nothing in torch, and removed with
-    the last. A registration while no watch lives needs no count: a watch walks its module when
-    it is built, after the hooks are in, and the generation only grows, so no live watch can
-    take a later generation for the one it saw."""
-    global _num_watches
-    if not _handles:
-        _handles.extend(
-            [
-                torch_module.register_module_parameter_registration_hook(_bump),
-                torch_module.register_module_module_registration_hook(_bump),
-            ]
-        )
-    _num_watches += 1
-    weakref.finalize(watch, _unlisten)
-
-
-def _unlisten() -> None:
-    global _num_watches
-    _num_watches -= 1
-    if _num_watches == 0:
-        for handle in _handles:
-            handle.remove()
-        _handles.clear()
+# torch's two global registration hooks, installed with the first live watch, so that
+# importing gradsync changes nothing in torch, and removed with the last. A registration while
+# no watch lives needs no count: a watch walks its module when it is built, after the hooks are
+# in, and the generation only grows, so no live watch can take a later generation for the one
+# it saw.
+_HOOKS = HeldHooks(
+    lambda: [
+        torch_module.register_module_parameter_registration_hook(_bump),
+        torch_module.register_module_module_registration_hook(_bump),
+    ]
+)
 
 
 class ParameterWatch:
@@ -78,7 +62,7 @@ class ParameterWatch:
     (parameters named in ``ignore`` are not data-parallel: torch DDP's ignore list)."""
 
     def __init__(self, module: nn.Module, ignore: AbstractSet[str] = frozenset()) -> None:
-        _listen(self)
+        _HOOKS.hold(self)
         self.module, self.ignore = module, ignore
         self.named = self._current()
         self._params = [p for _, p in self.named]  # the per-step passes read these alone
