@@ -193,3 +193,19 @@ def test_inputs_go_to_the_replicas_device() -> None:
     args, kwargs = to_device(((x, [x], 3), {"y": x, "z": "text"}), torch.device("meta"))
     assert args[0].is_meta and args[1][0].is_meta and args[2] == 3
     assert kwargs["y"].is_meta and kwargs["z"] == "text"
+
+
+def test_a_refusal_names_the_rank_and_the_setting_on_its_first_line() -> None:
+    # Logs, exception summaries and test reports show an error's first line only.
+    from gradsync.ddp.checks.model import Refusal, _raise_refusals
+
+    bad = "compression='zstd' is none of the wire formats"
+    with pytest.raises(gradsync.UsageError) as one:
+        _raise_refusals([None, Refusal(bad), None])
+    first = str(one.value).splitlines()[0]
+    assert "rank 1: compression='zstd'" in first
+    with pytest.raises(gradsync.UsageError) as two:
+        _raise_refusals([Refusal(bad), Refusal("reduction must be one of ...")])
+    lines = str(two.value).splitlines()
+    assert "rank 0: compression='zstd'" in lines[0] and "rank(s) 1" in lines[0]
+    assert lines[1:] == [f"  rank 0: {bad}", "  rank 1: reduction must be one of ..."]

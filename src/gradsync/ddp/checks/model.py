@@ -91,11 +91,20 @@ def refuse_everywhere(error: UsageError, deadline: Deadline) -> NoReturn:
 
 
 def _raise_refusals(gathered: list[Any]) -> None:
-    lines = [f"  rank {r}: {g.message}" for r, g in enumerate(gathered) if isinstance(g, Refusal)]
-    if lines:
-        raise UsageError(
-            "DistributedDataParallel refused its arguments on some rank(s):\n" + "\n".join(lines)
-        )
+    """Raise the refusals of every rank that sent one. The first line names the first such
+    rank and the setting at fault (logs, exception summaries and test reports show one line);
+    every refusing rank's whole message follows."""
+    refused = [(r, g.message) for r, g in enumerate(gathered) if isinstance(g, Refusal)]
+    if not refused:
+        return
+    rank, message = refused[0]
+    others = [str(r) for r, _ in refused[1:]]
+    also = f" (and on rank(s) {', '.join(others)})" if others else ""
+    first = f"DistributedDataParallel refused its arguments{also} on rank {rank}: {message}"
+    if not others and "\n" not in message:
+        raise UsageError(first)
+    lines = [f"  rank {r}: {m}" for r, m in refused]
+    raise UsageError(f"{first.splitlines()[0]}\n" + "\n".join(lines))
 
 
 def _fmt(row: Row) -> str:
