@@ -31,20 +31,17 @@ timeline. ``benchmarks/host_time.py`` splits the same model's host time by phase
 from __future__ import annotations
 
 import argparse
-import os
-import platform
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from gradsync.bench.replay import comm_plan
 from gradsync.bench.steptime import DEFAULT_NAME, time_interleaved, wrap
 from gradsync.bench.variant import DEFAULT_CAP, Variant
-from gradsync.bench.worker import Progress, untimed_steps, wrapper_defaults
+from gradsync.bench.worker import Progress, run_facts, untimed_steps, wrapper_defaults
 
 TORCH_NAME = "torch DDP default"
 TIMELINE_OFF_NAME = "gradsync timeline off (straggler_every=0)"
@@ -157,12 +154,7 @@ def host_rank(rank: int, world: int, cfg: HostBoundConfig) -> dict[str, Any] | N
         return None
     module = host_model(cfg)
     return {
-        "world": world,
-        "torch": torch.__version__,
-        "machine": platform.machine(),
-        "cpus": os.cpu_count(),
-        "omp_threads": torch.get_num_threads(),
-        "backend": dist.get_backend(),
+        **run_facts(world),
         "num_tensors": len(list(module.parameters())),
         "num_parameters": sum(p.numel() for p in module.parameters()),
         "config": {k: v for k, v in asdict(cfg).items() if k not in ("variants", "progress")},

@@ -92,6 +92,18 @@ def bench_variants(
     return tuple(variants)
 
 
+def run_facts(world: int) -> dict[str, Any]:
+    """Where a timed run ran, for its report: world size, torch, machine, threads, backend."""
+    return {
+        "world": world,
+        "torch": torch.__version__,
+        "machine": platform.machine(),
+        "cpus": os.cpu_count(),
+        "omp_threads": torch.get_num_threads(),
+        "backend": dist.get_backend(),
+    }
+
+
 def wrapper_defaults() -> dict[str, Any]:
     """The gradsync wrapper's plain-valued defaults, which every gradsync variant runs with
     except ``bucket_cap_mb``: recorded so a report says what "default" meant on that day."""
@@ -168,12 +180,7 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
         return None
     elem = torch.empty((), dtype=dtype).element_size()
     return {
-        "world": world,
-        "torch": torch.__version__,
-        "machine": platform.machine(),
-        "cpus": os.cpu_count(),
-        "omp_threads": torch.get_num_threads(),
-        "backend": dist.get_backend(),
+        **run_facts(world),
         "dtype": str(dtype).removeprefix("torch."),
         "num_parameters": num_parameters(cfg),
         "grad_bytes": grad_numel * elem,
