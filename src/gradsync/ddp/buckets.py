@@ -334,7 +334,7 @@ class Bucket:
         return None
 
 
-def write_back(buckets: Sequence[Bucket], counts: list[list[float]]) -> None:
+def write_results(buckets: Sequence[Bucket], counts: list[list[float]]) -> None:
     """Every bucket's reduced gradients to ``.grad`` (``counts``: the summed used flags, per
     bucket and slot), the copies in one call instead of one per parameter."""
     copies = [c for b, n in zip(buckets, counts, strict=True) for c in b.results(n)]

@@ -16,7 +16,7 @@ from torch.utils.hooks import RemovableHandle
 
 from gradsync.comm import CommHook
 from gradsync.ddp import owners
-from gradsync.ddp.buckets import Bucket, write_back
+from gradsync.ddp.buckets import Bucket, write_results
 from gradsync.ddp.checks.graph_grads import check_graph_grads, is_graph_grad
 from gradsync.ddp.checks.param_watch import ParameterWatch
 from gradsync.ddp.checks.readout import read_step, unused_somewhere
@@ -376,6 +376,6 @@ class Reducer(TorchReducerMethods):
         self.window = StepWindow(len(self.params), self.world_size)  # the next step's
 
     def _write_back(self, counts: list[list[float]]) -> None:
-        write_back(self.buckets, counts)
+        write_results(self.buckets, counts)
         if self.main_grads:
             stamp_grads(self.params)  # [Note: clipping main gradients]
