@@ -5,9 +5,10 @@
 1. **Per step** (2 local ranks, gloo): the bench's GPT (4 layers x 512, 12.7M parameters,
    float32, AdamW, a LambdaLR schedule, global batch 8 x 64 tokens) trained by a plain loop and
    by the same loop under ``gradsync.recovery.Recovery``, in alternating rounds of 8 steps;
-   medians of the slowest rank's step time, and their ratio. Also timed alone, on rank 0: the
-   step-start snapshot (``StepStart.take``) and the undo copy of the parameters and AdamW's
-   state (``UndoLog``), the two things a step under recovery does more.
+   medians of the slowest rank's step time, and their ratio round by round. Also timed alone,
+   on rank 0: the step-start snapshot (``StepStart.take``), what a step under recovery does
+   more. Then each loop alone in fresh processes, for memory: peak RSS and the tensor bytes
+   ``Recovery`` holds, beside the bytes of the parameters and AdamW's state.
 2. **Per lost node** (2 simulated nodes x 2 ranks under torchrun, node 1 killed mid-step): the
    restart path (``tests/e2e/test_node_loss.py``: torchrun restarts the survivors, which load
    the newest checkpoint) and in-process recovery
@@ -20,10 +21,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import resource
 import statistics
 import subprocess
 import sys
 import time
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -32,7 +35,7 @@ import torch.distributed as dist
 import gradsync
 from gradsync.data import GlobalBatchSampler
 from gradsync.recovery import Recovery
-from gradsync.recovery.rollback import StepStart, UndoLog
+from gradsync.recovery.rollback import StepStart
 from gradsync.testing.gpt import GPT, GPTConfig, lm_loss
 from gradsync.testing.spawn import spawn
 
@@ -97,32 +100,80 @@ def _per_step(rank: int, world: int, rounds: int) -> dict:
                 if r:
                     times[name].append(elapsed)
     parts: dict[str, float] = {}
-    if rank == 0:  # the two additions, alone
-        undo = UndoLog(opt)
-        for name, fn in {
-            "StepStart.take": lambda: StepStart.take(ddp.module, opt, sched, sampler),
-            "UndoLog copy (parameters + AdamW state)": lambda: undo._before_step(),
-        }.items():
-            samples = []
-            for i in range(7):
-                undo.step = i
-                t0 = time.perf_counter()
-                fn()
-                samples.append(time.perf_counter() - t0)
-            parts[name] = statistics.median(samples)
-        undo.remove()
+    if rank == 0:  # what a step under Recovery does more, alone
+        samples = []
+        for _ in range(7):
+            t0 = time.perf_counter()
+            StepStart.take(ddp.module, opt, sched, sampler)
+            samples.append(time.perf_counter() - t0)
+        parts["StepStart.take"] = statistics.median(samples)
     return {"times": times, "parts": parts}
+
+
+def _memory(rank: int, world: int, under: bool) -> dict:
+    """One loop alone in a fresh process: its peak RSS, the bytes of the parameters and the
+    optimizer state, and the tensor bytes Recovery holds (its step starts)."""
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    data = _Tokens(GLOBAL_BATCH * 8)
+    ddp = gradsync.DistributedDataParallel(GPT(CONFIG), reduction="item_mean")
+    opt = torch.optim.AdamW(ddp.parameters(), lr=1e-4)
+    sampler = GlobalBatchSampler(data, GLOBAL_BATCH, shuffle=False)
+    loader = torch.utils.data.DataLoader(data)
+    recovery = Recovery(ddp, opt, sampler) if under else None
+    for index in range(6):
+        step = next(recovery.steps()) if recovery is not None else nullcontext()
+        with step:
+            for idx in sampler.micro_batches_of(index):
+                x, y = loader.collate_fn([data[i] for i in idx])
+                loss = lm_loss(ddp(x), y) * len(x)
+                ddp.count_items(len(x))
+                loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        if recovery is None:
+            sampler.step += 1
+    state = [t for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
+    held = 0
+    if recovery is not None:
+        for start in recovery._starts.values():
+            held += sum(b.nbytes for b in start.buffers) + start.rng.nbytes
+    return {
+        "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "model_and_optimizer": sum(t.nbytes for t in [*ddp.parameters(), *state]),
+        "held": held,
+    }
 
 
 def per_step(rounds: int) -> None:
     result = spawn(_per_step, 2, (rounds,), timeout_s=1800)[0]
-    plain = statistics.median(result["times"]["plain loop"])
-    under = statistics.median(result["times"]["under Recovery"])
+    plain, under = result["times"]["plain loop"], result["times"]["under Recovery"]
+    by_round = [
+        statistics.median(under[i : i + 8]) / statistics.median(plain[i : i + 8])
+        for i in range(0, len(plain), 8)
+    ]
     print(f"per step, 2 ranks, {rounds} rounds of 8 steps each (medians, slowest rank):")
-    print(f"  plain loop       {plain * 1e3:8.1f} ms")
-    print(f"  under Recovery   {under * 1e3:8.1f} ms   ratio {under / plain:.3f}")
+    print(f"  plain loop       {statistics.median(plain) * 1e3:8.1f} ms")
+    print(f"  under Recovery   {statistics.median(under) * 1e3:8.1f} ms")
+    ratios = ", ".join(f"{r:.3f}" for r in by_round)
+    print(f"  ratio, round by round: median {statistics.median(by_round):.3f} ({ratios})")
     for name, seconds in result["parts"].items():
         print(f"  {name:40s} {seconds * 1e3:8.2f} ms")
+    # The allocator's peak moves by several MiB between identical runs: medians of 3 each.
+    runs: dict[bool, list[dict]] = {False: [], True: []}
+    for _ in range(3):
+        for u in runs:
+            runs[u].append(spawn(_memory, 2, (u,), fresh=True, timeout_s=600)[0])
+    alone = {u: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for u, rs in runs.items()}
+    base = alone[False]["model_and_optimizer"]
+    grown = alone[True]["peak_rss"] - alone[False]["peak_rss"]
+    print(f"memory, rank 0, medians of 3 fresh runs each ({base / 2**20:.1f} MiB of parameters")
+    print("and AdamW state):")
+    held = alone[True]["held"]
+    print(f"  tensors Recovery holds   {held / 2**20:8.2f} MiB ({held / base:.2%})")
+    print(f"  peak RSS, plain loop     {alone[False]['peak_rss'] / 2**20:8.1f} MiB")
+    print(f"  peak RSS, under Recovery {alone[True]['peak_rss'] / 2**20:8.1f} MiB")
+    print(f"  peak RSS grown by        {grown / 2**20:+8.1f} MiB ({grown / base:+.2%} of them)")
 
 
 def _run(test: str, marker: str) -> dict | None:

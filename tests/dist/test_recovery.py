@@ -6,16 +6,18 @@ one after another, each at another point of a step: before a forward (or, in the
 test, after backward, before the loop's own ``step.all_reduce`` of its loss: survivors that do
 not exchange data with the dead rank must not wait there for torch's timeout), inside backward
 once the first buckets' all-reduces are under way, and inside ``optimizer.step()`` (when the
-survivors have all they need to finish that step). The two left must end with the parameters of one
-process trained on the same global batches (1e-12), having used every sample of every step
-after a loss exactly once, at the new world size. Fresh processes (``fresh=True``): a rank that
-kills itself is the point.
+survivors have all they need to finish that step). The two left must end with the parameters
+of one process trained on the same global batches (1e-12), having used every sample of every
+step after a loss exactly once, at the new world size. No copy of the model is kept for it: a
+survivor that stepped hands the step's result to one that had not. Fresh processes
+(``fresh=True``): a rank that kills itself is the point.
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import time
 from contextlib import nullcontext
 
 import pytest
@@ -27,6 +29,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import gradsync
 from gradsync.checkpoint import Checkpointer
 from gradsync.data import GlobalBatchSampler
+from gradsync.errors import CollectiveTimeoutError
 from gradsync.recovery import NoRecoveryError, Recovery
 from gradsync.testing.spawn import RankFailure, spawn
 
@@ -57,7 +60,12 @@ def _optimizer(params) -> tuple[torch.optim.Optimizer, object]:  # type: ignore[
 
 
 def _train(
-    rank: int, world: int, deaths: dict, folder: str | None = None, leaves: bool = False
+    rank: int,
+    world: int,
+    deaths: dict,
+    folder: str | None = None,
+    leaves: bool = False,
+    split: tuple[int, int] | None = None,
 ) -> dict:
     data = _data()
     sampler = GlobalBatchSampler(data, GLOBAL_BATCH, MICRO, shuffle=True, seed=5,
@@ -78,9 +86,18 @@ def _train(
         if armed[0] and death[1] == where:
             os.kill(os.getpid(), signal.SIGKILL)
 
+    def notice_late(at: int) -> None:
+        """This survivor notices the loss just before its optimizer step, as one does whose
+        last all-reduce failed where another survivor's completed: the loss splits them."""
+        if recovery.completed == at and not recovery.changes:
+            time.sleep(1.0)  # the dying rank is gone, the other survivor has stepped
+            raise CollectiveTimeoutError("the last bucket's all-reduce lost a peer here")
+
     first = ddp.module[0].weight  # its gradient comes last in backward
     first.register_hook(lambda g: die_if("backward") or g)
     opt.register_step_pre_hook(lambda *_: die_if("optimizer"))
+    if split is not None and rank == split[0]:
+        opt.register_step_pre_hook(lambda *_: notice_late(split[1]))
     write = dcp.FileSystemWriter.write_data
     dcp.FileSystemWriter.write_data = lambda *a: die_if("save") or write(*a)  # type: ignore[method-assign]
     loader = DataLoader(data)
@@ -176,9 +193,9 @@ def test_in_the_deterministic_mode_the_survivors_end_with_the_bits_of_one_proces
 
 
 @pytest.mark.timeout(180)
-def test_a_rank_lost_during_a_save_after_the_optimizer_step_is_rolled_back(tmp_path) -> None:
-    """Every survivor had stepped its optimizer when the save lost a rank: the step is undone
-    (parameters, AdamW's moments, the learning rate) and redone on 2 ranks, with its save."""
+def test_a_rank_lost_during_a_save_after_the_optimizer_step_replays_the_step(tmp_path) -> None:
+    """Every survivor had stepped its optimizer when the save lost a rank: the step is replayed
+    on 2 ranks without its optimizer step (the learning rate steps once), with its save."""
     deaths = {1: (3, "save")}
     args = (deaths, str(tmp_path))
     results = spawn(_train, 3, args, fresh=True, return_failures=True, timeout_s=150)
@@ -188,6 +205,21 @@ def test_a_rank_lost_during_a_save_after_the_optimizer_step_is_rolled_back(tmp_p
         f"step_{s:08d}" for s in range(2, STEPS + 1, 2)
     ]
     assert not list(tmp_path.glob(".step_*.partial"))
+
+
+@pytest.mark.timeout(180)
+def test_a_loss_that_splits_the_survivors_hands_the_steps_result_to_those_that_had_not_stepped():
+    """Rank 2 dies once its step 3's all-reduce is complete; rank 0 steps and goes on to step 4,
+    rank 1 notices before stepping. Rank 0 holds step 3's result: rank 1 takes it, and step 3 is
+    replayed without its optimizer step (the schedule steps once), on 2 ranks, exactly."""
+    deaths = {2: (3, "optimizer")}
+    results = spawn(_train, 3, (deaths, None, False, (1, 3)), fresh=True,
+                    return_failures=True, timeout_s=150)  # fmt: skip
+    survivors = _check_survivors(results, deaths)
+    for r in survivors:
+        [event] = results[r]["events"]
+        assert event["step"] == 3 and event["world_size"] == 2, event
+        assert event["phases"] == ["backward", "forward"], event  # neither had stepped in 4
 
 
 def _stuck(rank: int, world: int) -> str:

@@ -1,5 +1,6 @@
 """The parts of in-process recovery that one process can check: one membership however the
-survivors' views differ, the undo of an optimizer step, the step-start snapshot, the refusals,
+survivors' views differ, the record of optimizer steps and the replay that skips one, the
+step-start snapshot, the refusals,
 and the sliced wait that lets a survivor give up once a regroup has begun."""
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from gradsync.failfast.deadline import wait_watching
 from gradsync.failfast.liveness import ProcessId, process_state, this_process
 from gradsync.recovery import Membership, NoRecoveryError, RankExcludedError, Recovery, Report
 from gradsync.recovery.membership import agree
-from gradsync.recovery.rollback import StepStart, UndoLog
+from gradsync.recovery.rollback import OptimizerSteps, StepStart, holder_of
 
 
 def _agree_all(store: dist.Store, reports: dict[int, Report], windows: dict[int, float]) -> dict:
@@ -85,24 +86,58 @@ def _step(layer: nn.Linear, opt: torch.optim.Optimizer) -> None:
     opt.zero_grad()
 
 
-def test_the_undo_log_takes_back_an_optimizer_step_including_the_first() -> None:
+def test_the_optimizer_steps_are_recorded_without_a_copy_and_a_second_one_is_refused() -> None:
     layer, opt = _adam_and_params()
-    undo = UndoLog(opt)
-    before = [p.detach().clone() for p in layer.parameters()]
-    undo.step = 0
-    _step(layer, opt)  # AdamW's state is created here: undone, it is gone again
-    assert undo.undo(0)
-    assert all(torch.equal(p, b) for p, b in zip(layer.parameters(), before, strict=True))
-    assert not opt.state
+    steps = OptimizerSteps(opt)
+    steps.begin(0)
     _step(layer, opt)
-    state = {k: v.clone() for k, v in opt.state[layer.weight].items()}
-    params = [p.detach().clone() for p in layer.parameters()]
-    undo.step = 1
+    assert steps.stepped_in == 0
+    with pytest.raises(gradsync.UsageError, match="stepped twice in step 0"):
+        _step(layer, opt)
+    steps.begin(1)
+    assert steps.stepped_in == 0  # step 1 has not stepped yet
     _step(layer, opt)
-    assert not undo.undo(2)  # this rank did not step in step 2: nothing to take back
-    assert undo.undo(1)
-    assert all(torch.equal(p, b) for p, b in zip(layer.parameters(), params, strict=True))
-    assert all(torch.equal(opt.state[layer.weight][k], v) for k, v in state.items())
+    assert steps.stepped_in == 1
+    steps.end()  # between steps the loop may step as it likes: nothing recorded or refused
+    _step(layer, opt)
+    _step(layer, opt)
+    assert steps.stepped_in == 1
+
+
+@pytest.mark.filterwarnings(r"ignore:Detected call of `lr_scheduler.step\(\)`")
+def test_a_replayed_step_skips_only_its_optimizer_step_even_through_a_scheduler() -> None:
+    layer, opt = _adam_and_params()
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)  # wraps opt.step
+    wrapped = vars(opt)["step"]
+    steps = OptimizerSteps(opt)
+    steps.begin(0)
+    _step(layer, opt)
+    sched.step()
+    after = [p.detach().clone() for p in layer.parameters()]
+    state = opt.state[layer.weight]["exp_avg"].clone()
+    steps.replay = 0
+    steps.begin(0)  # the step again, its result already in the parameters
+    _step(layer, opt)
+    sched.step()
+    assert all(torch.equal(p, a) for p, a in zip(layer.parameters(), after, strict=True))
+    assert torch.equal(opt.state[layer.weight]["exp_avg"], state)
+    assert opt.param_groups[0]["lr"] == 0.025  # the scheduler stepped both times
+    steps.begin(1)  # the replay is over: the scheduler's own wrapper is back, and steps
+    assert vars(opt)["step"] is wrapped
+    _step(layer, opt)
+    assert not torch.equal(layer.weight, after[0]) and steps.stepped_in == 1
+    steps.replay = 2
+    steps.begin(2)
+    steps.remove()  # a replay cut short by the end of the loop leaves the optimizer whole
+    assert vars(opt)["step"] is wrapped
+
+
+def test_the_holder_of_a_steps_result_is_the_first_survivor_that_stepped_in_it() -> None:
+    reports = {0: Report(4, "backward", 3), 2: Report(5, "forward", 4), 3: Report(4, "x", 4)}
+    assert holder_of(4, reports, (0, 2, 3)) == 1  # new rank 1: old rank 2
+    assert holder_of(4, {0: reports[0]}, (0,)) is None  # nobody stepped in 4: redo as it is
+    with pytest.raises(NoRecoveryError, match=r"rank\(s\) \[2, 3\] stepped their optimizer past"):
+        holder_of(3, reports, (0, 2, 3))
 
 
 @pytest.mark.filterwarnings(r"ignore:Detected call of `lr_scheduler.step\(\)`")

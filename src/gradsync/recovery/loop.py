@@ -59,7 +59,7 @@ from gradsync.recovery.membership import (
 )
 from gradsync.recovery.notice import lost_a_peer
 from gradsync.recovery.regroup import close_groups, job_store, regroup
-from gradsync.recovery.rollback import StepStart, UndoLog
+from gradsync.recovery.rollback import OptimizerSteps, StepStart
 
 ADMIT_EVERY = 10  # steps between two looks for an offer to replacements (heal.py)
 
@@ -152,9 +152,9 @@ class Recovery:
         self.window, self.min_world_size = window, min_world_size
         # steps completed, over all epochs (a sampler loaded from a checkpoint says how many)
         self.completed = sampler.epoch * sampler.steps_per_epoch + sampler.step
-        self.undo = UndoLog(optimizer)
-        # The hook on the user's optimizer goes with this object (the undo copy is its only use).
-        weakref.finalize(self, self.undo.remove)
+        self.optimizer_steps = OptimizerSteps(optimizer)
+        # The hooks on the user's optimizer go with this object (they serve it alone).
+        weakref.finalize(self, self.optimizer_steps.remove)
         self._starts: dict[int, StepStart] = {}
         join = join if join is not None else joining()
         # kept: it outlives every group; a replacement joins with GRADSYNC_JOIN=store_address
@@ -211,13 +211,14 @@ class Recovery:
         start = StepStart.take(self.model.module, self.optimizer, self.lr_scheduler, self.sampler)
         self._starts = {n: s for n, s in self._starts.items() if n == step.number - 1}
         self._starts[step.number] = start
-        self.undo.step = step.number
+        self.optimizer_steps.begin(step.number)
         # The sampler's own rule: a step is counted once its micro-batches are handed out, so a
         # checkpoint saved inside the step resumes at the next one.
         self.sampler.step = step.index + 1
 
     def _completed(self, step: Step) -> None:
         self.completed = step.number + 1
+        self.optimizer_steps.end()
         if self._redoing is not None:
             lost = self.changes[self._redoing]
             assert isinstance(lost, Lost)
@@ -229,9 +230,10 @@ class Recovery:
     def _recover(self, step: Step, exc: BaseException) -> None:
         """Survive the loss that ``exc`` reports, or raise why not (the restart path)."""
         noticed = time.time()
-        me = self.membership
-        phase = _phase(self.model, self.undo.taken_in == step.number, exc)
-        report = Report(self.completed, phase)
+        me, steps = self.membership, self.optimizer_steps
+        steps.end()
+        phase = _phase(self.model, steps.stepped_in == step.number, exc)
+        report = Report(self.completed, phase, steps.stepped_in)
         try:
             announce(self.store, self._generation_key())  # wakes survivors still waiting
             backend = close_groups()
@@ -241,12 +243,13 @@ class Recovery:
             agreed = time.time()
             target = min(r.done for r in new.reports.values())
             self._check_can_go_on(new, target, lost)
-            self.undo.undo(target)  # the parameters and optimizer state of the step's start
+            self.optimizer.zero_grad(set_to_none=True)
+            self._regroup_to(new, backend)
+            # the step's result, where a survivor holds it ([Note: rolling a step back])
+            steps.settle(target, new.reports, new.members, self.model.module)
             self._starts[target].restore(
                 self.model.module, self.optimizer, self.lr_scheduler, self.sampler
             )
-            self.optimizer.zero_grad(set_to_none=True)
-            self._regroup_to(new, backend)
             self._continue_on_the_new_group()
         except GradsyncError as error:
             log_fallback(self.membership.rank, step.number, error)

@@ -53,6 +53,9 @@ class Report:
     phase: str
     """Where it was in its step when it noticed the loss: ``forward``, ``backward`` or
     ``optimizer step``."""
+    stepped: int | None = None
+    """The step in which its optimizer last stepped (``rollback.py``: the holder of a step's
+    result)."""
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))

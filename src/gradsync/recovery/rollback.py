@@ -5,33 +5,47 @@ A rank can be lost at any point of a step, and the survivors are not all at the 
 one may have seen the last bucket's all-reduce complete and stepped its optimizer, another
 raised inside that all-reduce; one may even have finished the step and begun the next. The
 survivors go back to the start of the earliest step any of them had not finished, and redo it
-over the same global batch (``membership.py`` says which step that is). Two records make that
-possible without a copy of the model at every step start:
+over the same global batch (``membership.py`` says which step that is). No copy of the model
+is kept for it, because the parameters and the optimizer state change in one place only:
+``optimizer.step()``, which issues no collective.
 
-- :class:`StepStart`, taken when each step begins: the small state a step changes (the data
-  position, the LR scheduler, the optimizer's hyperparameters, the module's buffers, the RNG).
-  The last two are kept: a rank that finished step ``k`` goes back to ``k``'s start.
-- :class:`UndoLog`: the parameters and the optimizer's state, copied by an optimizer step
-  pre-hook just before ``optimizer.step()`` changes them, once per step. Between two optimizer
-  steps the parameters do not change (the all-reduce writes gradients), so a rank that has not
-  stepped in the step being redone has nothing to undo, and one that has undoes its one step.
-  No rank can be past two optimizer steps: the next step's all-reduce needs every survivor.
+- :class:`StepStart`, taken when each step begins, is the small state a step changes besides
+  them (the data position, the LR scheduler, the optimizer's hyperparameters, the module's
+  buffers, the RNG). The last two are kept: a rank that finished step ``k`` goes back to
+  ``k``'s start.
+- :class:`OptimizerSteps` records the step in which the optimizer last stepped. Each survivor
+  reports it at the agreement, and for the step ``k`` being redone there are two cases:
 
-The undo copy costs one pass over the parameters and the optimizer state per step, and as
-much memory again: the price of redoing a step exactly rather than averaging over whoever is
-left.
+  1. *No survivor stepped in* ``k``. Every survivor's parameters and optimizer state are still
+     those of ``k``'s start: the step is redone as it is.
+  2. *Some survivor stepped in* ``k``. Its all-reduce had every rank's gradients, the dead
+     one's included, so its update is the step's exact result. It sends its parameters and
+     optimizer state to the survivors that had not stepped (only when the loss split them),
+     and the step is *replayed*: redone from its start with the same data, but with
+     ``optimizer.step()`` skipped, so that what the loop does around it (the scheduler's step,
+     a save, a logged loss) happens once, as in a step that was never interrupted.
+
+  No rank can have stepped in ``k + 1``: that step's all-reduce needs every survivor, and one
+  of them had not finished ``k``.
+
+The price: one optimizer step per step (a second in the same step is refused), and a replayed
+step redoes its forward and backward for nothing but the loop's own work around the optimizer
+step, as a redone step does.
 """
 
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
-from gradsync.recovery.membership import NoRecoveryError
+from gradsync.errors import UsageError
+from gradsync.recovery.membership import NoRecoveryError, Report
 
 
 @dataclass
@@ -74,79 +88,106 @@ class StepStart:
         torch.set_rng_state(self.rng)
 
 
-class UndoLog:
-    """The parameters and optimizer state as they were before this step's ``optimizer.step()``.
+class OptimizerSteps:
+    """In which training step the optimizer last stepped, and the skipping of its step while a
+    step is replayed ([Note: rolling a step back]).
 
-    ``step`` (set by the owner before each training step) names the step the copy belongs
-    to; :meth:`undo` puts it back if the copy is of the step being redone.
+    ``step`` names the training step now running (``begin``), ``None`` between steps: an
+    optimizer step outside ``with step:`` is the loop's own business.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:
         self.optimizer = optimizer
-        self.step = -1  # the training step now running (the owner sets it)
-        self.taken_in: int | None = None  # the training step whose optimizer step is logged
-        self._params: list[torch.Tensor] = []
-        self._state: dict[torch.Tensor, dict[str, Any]] = {}
-        self._handle = optimizer.register_step_pre_hook(lambda *_: self._before_step())
-
-    def _params_of(self) -> list[torch.Tensor]:
-        return [p for g in self.optimizer.param_groups for p in g["params"]]
+        self.step: int | None = None  # the training step now running
+        self.stepped_in: int | None = None  # the training step of the last optimizer step
+        self.replay: int | None = None  # the step to run with optimizer.step() skipped
+        self._skipping: tuple[Any] | None = None  # what the skip replaced: (instance step,)
+        self._handles = [
+            optimizer.register_step_pre_hook(lambda *_: self._before_step()),
+            optimizer.register_step_post_hook(lambda *_: self._after_step()),
+        ]
 
     def _before_step(self) -> None:
-        if self.taken_in == self.step:  # a second optimizer step in one step: keep the first
-            return
-        params = self._params_of()
-        with torch.no_grad():
-            if len(self._params) != len(params):
-                self._params = [p.detach().clone() for p in params]
-            else:
-                for saved, p in zip(self._params, params, strict=True):
-                    saved.copy_(p)
-            self._state = {
-                p: _copy_state(self.optimizer.state.get(p, {}), self._state.get(p)) for p in params
-            }
-        self.taken_in = self.step
-
-    def undo(self, step: int) -> bool:
-        """Put back the parameters and optimizer state of before step ``step``'s optimizer
-        step, if this rank took it; ``False`` if it had not stepped in ``step``."""
-        if self.taken_in is None or self.taken_in < step:
-            return False
-        if self.taken_in > step:  # cannot happen: the step after needs every survivor
-            raise NoRecoveryError(
-                f"this rank stepped its optimizer in step {self.taken_in}, past step {step} "
-                "that the survivors redo: it cannot go back two optimizer steps"
+        if self.step is not None and self.stepped_in == self.step:
+            raise UsageError(
+                f"the optimizer stepped twice in step {self.step}: Recovery redoes a step "
+                "exactly only with one optimizer.step() per step"
             )
-        with torch.no_grad():
-            for p, saved in zip(self._params_of(), self._params, strict=True):
-                p.copy_(saved)
-        for p, state in self._state.items():
-            if state:
-                self.optimizer.state[p] = _copy_state(state, None)
-            else:
-                self.optimizer.state.pop(p, None)
-        self.taken_in = None
-        return True
+
+    def _after_step(self) -> None:
+        if self.step is not None:
+            self.stepped_in = self.step
+
+    def begin(self, step: int) -> None:
+        """Step ``step`` begins: skip its optimizer step if it is the one to replay."""
+        self.end()
+        self.step = step
+        if self.replay == step:
+            # An instance attribute shadows the class's step for this object only, and is found
+            # by every caller (an LR scheduler's wrapper, GradScaler.step) at call time.
+            self._skipping = (vars(self.optimizer).get("step"),)
+            self.optimizer.step = _skipped  # type: ignore[method-assign,assignment]
+
+    def end(self) -> None:
+        """The step is over (completed or interrupted); if it was replayed, the optimizer steps
+        again."""
+        self.step = None
+        if self._skipping is None:
+            return
+        (replaced,) = self._skipping
+        if replaced is None:
+            del self.optimizer.step
+        else:
+            self.optimizer.step = replaced  # type: ignore[method-assign]
+        self._skipping = None
+
+    def settle(
+        self, target: int, reports: Mapping[int, Report], order: Iterable[int], module: nn.Module
+    ) -> None:
+        """After the regroup to the members ``order`` (ranks before, in new rank order), with
+        their ``reports``: step ``target``'s result, where a member holds it, on every member,
+        and the step marked to replay; else the step is redone as it is."""
+        order = list(order)
+        holder = holder_of(target, reports, order)
+        self.replay = None if holder is None else target
+        if holder is None:
+            return
+        if any(reports[r].stepped != target for r in order):  # the loss split them
+            share_step_result(module, self.optimizer, holder, self.stepped_in != target)
+        self.stepped_in = target
 
     def remove(self) -> None:
-        self._handle.remove()
+        self.end()
+        for handle in self._handles:
+            handle.remove()
 
 
-def _copy_state(state: dict[str, Any], into: dict[str, Any] | None) -> dict[str, Any]:
-    """A copy of one parameter's optimizer state, reusing ``into``'s tensors where they fit."""
-    out: dict[str, Any] = {}
-    for key, value in state.items():
-        if isinstance(value, torch.Tensor):
-            old = None if into is None else into.get(key)
-            if isinstance(old, torch.Tensor) and _fits(old, value):
-                out[key] = old.copy_(value)
-            else:
-                out[key] = value.detach().clone()
-        else:
-            out[key] = copy.deepcopy(value)
-    return out
+def _skipped(closure: Callable[[], Any] | None = None) -> None:
+    """``optimizer.step`` while a step is replayed: its update is already in the parameters."""
+    return None
 
 
-def _fits(old: torch.Tensor, new: torch.Tensor) -> bool:
-    """Whether ``new`` can be copied into ``old``'s memory as it is."""
-    return (old.shape, old.dtype, old.device) == (new.shape, new.dtype, new.device)
+def holder_of(target: int, reports: Mapping[int, Report], order: Iterable[int]) -> int | None:
+    """The first member in ``order`` (ranks before the change, in new rank order) that stepped
+    its optimizer in step ``target``, or ``None``; raise if one stepped past it."""
+    ahead = {r: rep.stepped for r, rep in reports.items() if (rep.stepped or -1) > target}
+    if ahead:
+        raise NoRecoveryError(
+            f"rank(s) {sorted(ahead)} stepped their optimizer past step {target} that the "
+            "survivors redo: a step's result cannot be taken back"
+        )
+    return next((i for i, r in enumerate(order) if reports[r].stepped == target), None)
+
+
+def share_step_result(
+    module: nn.Module, optimizer: torch.optim.Optimizer, holder: int, receive: bool
+) -> None:
+    """The parameters of the rank ``holder`` of the default group on every rank, and its
+    optimizer state loaded where ``receive`` (the ranks that stepped hold it already)."""
+    with torch.no_grad():
+        for p in module.parameters():
+            dist.broadcast(p, group_src=holder)
+    sent: list[Any] = [None if receive else optimizer.state_dict()]
+    dist.broadcast_object_list(sent, group_src=holder)
+    if receive:
+        optimizer.load_state_dict(sent[0])
