@@ -8,6 +8,7 @@ skips a step by hand, and every rank must raise ``DesyncError`` naming it and bo
 where the step's first collective is the gradient reduction (the step tags carry the loop's
 number of the step) and where it is ``step.all_reduce``; where it is a checkpoint's save, its
 gathers carry their step in their name, and every rank raises ``ProtocolError`` naming both.
+In the deterministic mode a step that leaves a rank no leaf is refused on every rank.
 """
 
 from __future__ import annotations
@@ -49,11 +50,18 @@ def _optimizer(params) -> tuple[torch.optim.Optimizer, object]:  # type: ignore[
     return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1.0 + 0.2 * s))
 
 
-def _setup():  # type: ignore[no-untyped-def]
+def _setup(leaves: bool = False):  # type: ignore[no-untyped-def]
     data = _data()
-    sampler = GlobalBatchSampler(data, global_batch_size=GLOBAL, seed=2)
+    sampler = GlobalBatchSampler(
+        data, GLOBAL, micro_batch_size=1 if leaves else None, seed=2, deterministic=leaves
+    )
     loader = DataLoader(data, batch_sampler=sampler)
-    model = gradsync.DistributedDataParallel(_model(), reduction="item_mean", timeout=10.0)
+    model = gradsync.DistributedDataParallel(
+        _model(),
+        reduction="item_mean",
+        timeout=10.0,
+        deterministic=sampler.leaves_per_step if leaves else None,
+    )
     opt, scheduler = _optimizer(model.parameters())
     recovery = Recovery(model, opt, sampler, lr_scheduler=scheduler)
     return loader, model, opt, scheduler, recovery
@@ -127,8 +135,24 @@ def _skip_a_step(rank: int, collective: str, folder: str) -> None:
             opt.zero_grad()
 
 
+def _leafless() -> None:
+    """The deterministic mode, a leaf per sample: the short step's 2 leaves, for 3 ranks."""
+    loader, model, opt, _, recovery = _setup(leaves=True)
+    for step in recovery.steps(STEPS):
+        with step:
+            micro = list(step.micro_batches(loader))
+            for i, (x, y) in enumerate(micro):
+                model.require_backward_grad_sync = i == len(micro) - 1
+                loss = F.mse_loss(model(x), y, reduction="sum")
+                model.count_items(len(x))
+                loss.backward()
+            opt.step()
+            opt.zero_grad()
+
+
 def _skips(rank: int, world: int, folder: str) -> dict[str, str | None]:
-    out: dict[str, str | None] = {}
+    out: dict[str, str | None] = {"leafless": error_text(_leafless)}
+    dist.barrier()
     for collective in ("gradients", "all_reduce", "save"):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # uneven shares: item_mean is exact anyway
@@ -140,13 +164,19 @@ def _skips(rank: int, world: int, folder: str) -> dict[str, str | None]:
 @pytest.mark.timeout(120)
 def test_a_rank_a_step_behind_or_ahead_raises_a_named_error_on_every_rank(tmp_path) -> None:
     results = spawn(_skips, WORLD, (str(tmp_path),), timeout_s=90)
+    where = {"gradients": "this step would sum gradients", "all_reduce": "step.all_reduce would"}
     for collective in ("gradients", "all_reduce"):
         for rank, out in enumerate(results):
             text = out[collective]
             assert text is not None and text.startswith("DesyncError"), (collective, rank, text)
+            assert where[collective] in text, (collective, rank, text)  # at the step's first
             assert "rank(s) [0, 1]: the loop's step 2" in text, (collective, rank, text)
             assert "rank(s) [2]: the loop's step 3" in text, (collective, rank, text)
             assert "skipped a whole step" in text, (collective, rank, text)
+    for rank, out in enumerate(results):  # refused on every rank, before any collective
+        text = out["leafless"]
+        assert text is not None and text.startswith("UsageError: gradsync: step 3 "), (rank, text)
+        assert "2 leaves" in text and "3 ranks" in text and "drop_last=True" in text, text
     for rank, out in enumerate(results):  # a save's gathers carry their step in their name
         text = out["save"]
         assert text is not None and text.startswith("ProtocolError"), (rank, text)
