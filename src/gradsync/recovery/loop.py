@@ -58,7 +58,7 @@ from gradsync.recovery.membership import (
     processes,
     publish_process,
 )
-from gradsync.recovery.notice import lost_a_peer
+from gradsync.recovery.notice import lost_a_peer, regroup_failed
 from gradsync.recovery.regroup import close_groups, job_store, regroup
 from gradsync.recovery.rollback import StepStart, UndoLog
 
@@ -251,7 +251,7 @@ class Recovery:
             log_fallback(self.membership.rank, step.number, error)
             raise error from exc
         except Exception as error:  # the store or a new connection failed
-            reason = NoRecoveryError(f"regrouping failed: {type(error).__name__}: {error}")
+            reason = regroup_failed(error, self.store_address)
             log_fallback(self.membership.rank, step.number, reason)
             raise reason from exc
         self.completed = target
