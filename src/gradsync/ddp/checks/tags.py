@@ -16,7 +16,9 @@ k-th, so counts of synchronised backwards agree while the gradients are of diffe
 Every other rank writes
 zeros there, so after the sum each rank reads every rank's tag exactly, at no extra collective,
 and all ranks reach the same verdict at the step where things went wrong. The slots are the
-tags' rider in bucket 0's tail ([Note: bucket 0's tail] in ``ddp/tail.py``).
+tags' rider in bucket 0's tail ([Note: bucket 0's tail] in ``ddp/tail.py``). The step's other
+collective, the item exchange, is issued with the buckets on every rank and its total is used
+only after this verdict, so a pairing of two steps' item counts is caught here too.
 
 Values are kept below 128 (modulo) and stored plus one, so zero means "no tag" (a rank that has
 joined and answers with zeros; a loop step of zero: no driver numbers the steps) and every
