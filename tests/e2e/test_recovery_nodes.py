@@ -238,6 +238,7 @@ def test_losing_the_store_falls_back_to_torchruns_restart(tmp_path: Path) -> Non
         outcome, output = job_result(out, procs, out_dir, (0, 1))
     assert outcome["verdict"] == "PASS" and outcome["world"] == 4, (outcome, output[-6000:])
     assert "cannot recover in-process" in output and "restarts from its last checkpoint" in output
+    assert "it lived in global rank 0's process, lost with it" in output, output[-6000:]
     records = read_log(log)
     assert max(r["attempt"] for r in records) == 1 and not outcome["events"]
     resumed = min(r["step"] for r in records if r["attempt"] == 1)

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import gc
 import warnings
 from collections import Counter
 from typing import Any
@@ -11,6 +12,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
+import gradsync
 from gradsync.data import DistributedSampler, GlobalBatchSampler, sample_generator, sample_seed
 from gradsync.errors import CheckpointError, UsageError
 
@@ -221,19 +223,42 @@ def test_call_on_resume_runs_only_when_resuming_mid_epoch() -> None:
     assert calls == [2]
 
 
-def test_shares_are_equal_and_uneven_shares_warn_once_at_construction() -> None:
+def test_shares_are_equal_and_uneven_shares_warn_once_at_the_first_iteration() -> None:
+    gc.collect()  # no wrapper of an earlier test lives on
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        s = sampler(26, 7, 2, 3, 0)  # built before any wrapper: nothing said yet
     with pytest.warns(UserWarning, match=r'num_replicas=3 .*reduction="item_mean"') as caught:
-        s = sampler(26, 7, 2, 3, 0)
+        list(s)  # no gradsync wrapper lives: the job may mean
     assert len(caught) == 1
     assert [s.shares_are_equal(k) for k in range(4)] == [False] * 4
-    with pytest.warns(UserWarning, match=r"\[2\] samples over num_replicas=4"):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        list(s)  # once per sampler
         s = sampler(26, 8, 2, 4, 0)  # only the short last step (2 samples) is uneven
+    with pytest.warns(UserWarning, match=r"\[2\] samples over num_replicas=4"):
+        s.micro_batches_of(0)  # Recovery's way in
     assert [s.shares_are_equal(k) for k in range(4)] == [True, True, True, False]
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        sampler(26, 8, 2, 4, 0, drop_last=True)
-        sampler(24, 6, 1, 3, 2)
-        sampler(26, 7, 2, 1, 0)
+        list(sampler(26, 8, 2, 4, 0, drop_last=True))
+        list(sampler(24, 6, 1, 3, 2))
+        list(sampler(26, 7, 2, 1, 0))
+
+
+@pytest.mark.parametrize("reduction", ["mean", "item_mean", "sum"])
+def test_uneven_shares_warn_only_where_the_wrapper_means(one_rank: None, reduction: str) -> None:
+    """The docs' loops build the sampler before the wrapper: the warning waits for it, and
+    comes only where its reduction makes uneven shares differ from one process."""
+    gc.collect()  # no wrapper of an earlier test lives on
+    s = sampler(26, 7, 2, 3, 0)
+    model = gradsync.DistributedDataParallel(torch.nn.Linear(2, 1), reduction=reduction)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        list(s)
+    said = [str(w.message) for w in caught if "num_replicas=3" in str(w.message)]
+    assert len(said) == (reduction == "mean"), (reduction, said)
+    del model
 
 
 @pytest.mark.parametrize(

@@ -225,7 +225,7 @@ def test_slots_carry_each_ranks_record_and_nothing_for_the_others(dtype: torch.d
     width = fields_per_rank(buckets)
     assert width == 1 + len(PHASES) + MAX_LAUNCHES
     records = [RankStep((1.0, 20.0, 30.5, 2.0, 4.0), (3.0, 9.0)), None, RankStep((1e6,) * 5)]
-    step_tags = [StepTag(7, 2, 1, 130, 3), None, StepTag(7, 2, 1, 130, 0)]
+    step_tags = [StepTag(7, 2, 1, 130, 3, 300), None, StepTag(7, 2, 1, 130, 0)]
     summed = torch.zeros(world * (tags.NUM_FIELDS + width), dtype=dtype)
     riders = [GivenRider(tags.RIDER, tags.NUM_FIELDS), GivenRider(slots.RIDER, width)]
     for rank, (record, tag) in enumerate(zip(records, step_tags, strict=True)):
@@ -241,7 +241,7 @@ def test_slots_carry_each_ranks_record_and_nothing_for_the_others(dtype: torch.d
         summed += values
     riders_read = tail.read(summed.double().tolist())
     assert tags.decode(riders_read[tags.RIDER], world) == [
-        StepTag(7, 2, 1, 130 % tags.MODULUS, 3),
+        StepTag(7, 2, 1, 130 % tags.MODULUS, 3, 300 % tags.MODULUS),
         None,
         StepTag(7, 2, 1, 130 % tags.MODULUS, 0),
     ]

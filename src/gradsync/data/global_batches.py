@@ -25,8 +25,8 @@ With ``reduction="item_mean"``, or ``"sum"`` with a sum-reduced loss, the synchr
 is then that of one process on the global batch, whatever N, the micro-batch size or the
 accumulation. ``reduction="mean"`` averages per-rank means, which equals the mean over the
 global batch only when every rank holds the same number of samples (``shares_are_equal``; with
-accumulation, also only when ``micro_batch_size`` divides the share); the sampler warns at
-construction when some step's shares differ.
+accumulation, also only when ``micro_batch_size`` divides the share); when some step's shares
+differ, the sampler warns at its first iteration if the job means (``uneven_shares.py``).
 
 With ``deterministic=True`` (the wrapper's deterministic mode, [Note: the fixed leaf tree] in
 ``comm/tree.py``) the global batch is cut into *leaves* of ``micro_batch_size`` samples first,
@@ -51,7 +51,6 @@ num_workers`` micro-batches ahead of training and the count runs ahead with it: 
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable, Iterable, Iterator, Sized
 from typing import Any, TypeVar
 
@@ -61,6 +60,7 @@ import torch.utils.data
 
 from gradsync.comm.tree import leaf_range
 from gradsync.data.no_sample import no_sample_maker
+from gradsync.data.uneven_shares import warn_if_inexact
 from gradsync.errors import CheckpointError, UsageError
 
 T = TypeVar("T")
@@ -169,7 +169,7 @@ class GlobalBatchSampler(torch.utils.data.Sampler[list[int]]):
         self.step = 0  # global steps of ``self.epoch`` whose micro-batches were all handed out
         self._resume_at = 0  # the step the next iteration starts at (set by load_state_dict)
         self._on_resume: Callable[[], None] | None = None
-        self._warn_if_shares_differ()
+        self._uneven = self._uneven_lengths()  # warned about at the first iteration, if inexact
 
     @property
     def leaves_per_step(self) -> int:
@@ -193,19 +193,14 @@ class GlobalBatchSampler(torch.utils.data.Sampler[list[int]]):
         present = -(-length // self.micro_batch_size)
         return range(block.start, max(block.start, min(block.stop, present)))
 
-    def _warn_if_shares_differ(self) -> None:
-        if self.deterministic:  # "mean" averages leaves: see gradsync/ddp/deterministic.py
-            return
+    def _uneven_lengths(self) -> list[int]:
+        """The lengths of global batches that give ranks different numbers of samples, for
+        ``uneven_shares.py`` (none counted in the deterministic mode: ``"mean"`` averages
+        leaves there, see gradsync/ddp/deterministic.py)."""
+        if self.deterministic:
+            return []
         lengths = {self._batch_length(0), self._batch_length(self.steps_per_epoch - 1)}
-        uneven = sorted(n for n in lengths if n % self.num_replicas)
-        if uneven:
-            warnings.warn(
-                f"global batches of {uneven} samples over num_replicas={self.num_replicas} "
-                'give ranks different numbers of samples: reduction="mean", a mean of per-rank '
-                'means, then differs from one process; use reduction="item_mean" (or "sum" '
-                "with a sum-reduced loss)",
-                stacklevel=3,
-            )
+        return sorted(n for n in lengths if n % self.num_replicas)
 
     # -- the epoch's layout: pure functions of the settings ---------------------------------------
     @property
@@ -275,6 +270,7 @@ class GlobalBatchSampler(torch.utils.data.Sampler[list[int]]):
         """This rank's micro-batches of global step ``step`` of the current epoch (what
         iterating hands out for that step), without moving the position."""
         self._checked_length(step)
+        self._uneven = warn_if_inexact(self._uneven, self.num_replicas)
         return self._micro_batches(self.global_order(), step)
 
     def reshard(self, num_replicas: int, rank: int) -> None:
@@ -308,6 +304,7 @@ class GlobalBatchSampler(torch.utils.data.Sampler[list[int]]):
         self.epoch = epoch
 
     def __iter__(self) -> Iterator[list[int]]:
+        self._uneven = warn_if_inexact(self._uneven, self.num_replicas)
         order = self.global_order()
         start, self._resume_at = self._resume_at, 0
         on_resume, self._on_resume = self._on_resume, None

@@ -24,6 +24,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
+from gradsync.ddp.reduction import Reduction
 from gradsync.failfast.deadline import Deadline
 from gradsync.lifetime import HeldHooks
 from gradsync.optim import agree
@@ -36,6 +37,7 @@ class Owner(Protocol):
     params: list[torch.nn.Parameter]
     names: list[str]
     deadline: Deadline
+    reduction: Reduction
 
     def retire(self, by: str | None = None) -> None: ...
 
@@ -61,6 +63,11 @@ def _caller() -> str:
     here = str(Path(__file__).resolve().parents[1])
     frames = [f for f in traceback.extract_stack() if not f.filename.startswith(here)]
     return f"{frames[-1].filename}:{frames[-1].lineno}" if frames else "an unknown place"
+
+
+def live_reductions() -> set[str]:
+    """The reductions of the live reducers of this process (empty: no wrapper lives)."""
+    return {reducer.reduction.name for reducer in list(_owners.values())}
 
 
 def owner_of(params: Sequence[torch.Tensor]) -> Owner | None:

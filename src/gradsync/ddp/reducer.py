@@ -108,6 +108,9 @@ class Reducer(TorchReducerMethods):
         self.layouts = list(layouts) or [None] * len(self.params)  # DTensors only
         self.window = StepWindow(len(self.params), self.world_size)
         self.num_reductions = 0  # completed synchronised backward passes, for tests and logs
+        # The loop's number of the step under way, where a driver of the loop gives one
+        # (gradsync.recovery): it rides in the step tag ([Note: step tags] in checks/tags.py).
+        self.loop_step: int | None = None
         # Parameters the first reduction found unused on some rank (see unused_last.py).
         self.first_unused: tuple[int, ...] | None = None
         owners.take_over(self)  # retires another wrapper's reducer that had them, if any
@@ -354,6 +357,7 @@ class Reducer(TorchReducerMethods):
             used=window.used,
             num_active=window.num_active,
             num_reductions=self.num_reductions,
+            loop_step=self.loop_step,
             watch=self.watch,
             changes=window.changes,
             compare_windows=self.compares_windows and not self.reduction.counts_items,

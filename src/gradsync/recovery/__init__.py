@@ -8,6 +8,8 @@
 - ``coverage.py``: what it covers (the wrapper, optimizer and sampler it can recover with).
 - ``events.py``: each membership change as a typed record, and the line rank 0 logs for it.
 - ``loop.py``: :class:`Recovery`, the training loop's side: steps a lost rank does not end.
+- ``shares.py``: a step's share of the global batch, a micro-batch of no sample where it is empty.
+- ``collectives.py``: the loop's own collectives in a step, stamped with the step's number.
 """
 
 from gradsync.recovery.events import Admitted, Joined, Lost

@@ -34,9 +34,10 @@ from gradsync.checkpoint import Checkpointer
 from gradsync.data import GlobalBatchSampler
 from gradsync.ddp.wrapper import DistributedDataParallel
 from gradsync.elastic import joining
-from gradsync.errors import CollectiveTimeoutError, GradsyncError, UsageError, first_line
-from gradsync.failfast.deadline import wait_watching, watch_for_regroups
-from gradsync.recovery import heal
+from gradsync.errors import GradsyncError, UsageError, first_line
+from gradsync.failfast.deadline import watch_for_regroups
+from gradsync.recovery import heal, shares
+from gradsync.recovery.collectives import stamped_all_reduce
 from gradsync.recovery.coverage import check_covered
 from gradsync.recovery.events import (
     Admitted,
@@ -57,7 +58,7 @@ from gradsync.recovery.membership import (
     processes,
     publish_process,
 )
-from gradsync.recovery.notice import lost_a_peer
+from gradsync.recovery.notice import lost_a_peer, regroup_failed
 from gradsync.recovery.regroup import close_groups, job_store, regroup
 from gradsync.recovery.rollback import OptimizerSteps, StepStart
 
@@ -78,24 +79,21 @@ class Step:
     def micro_batches(self, loader: torch.utils.data.DataLoader) -> Iterator[Any]:
         """This rank's micro-batches of this step, read from ``loader``'s dataset and collated
         with its ``collate_fn`` (the loader's own iteration is not used: its sampler's split
-        changes with the membership)."""
-        collate = loader.collate_fn
-        for indices in self.recovery.sampler.micro_batches_of(self.index):
-            yield collate([loader.dataset[i] for i in indices])
+        changes with the membership); one of no sample where this rank's share is empty, so
+        that every rank runs every step (``shares.py``)."""
+        shares.refuse_leafless_step(self.recovery.sampler, self.index, self.number)
+        return shares.micro_batches(self.recovery.sampler, self.index, loader)
 
     def all_reduce(self, tensor: torch.Tensor, op: Any = dist.ReduceOp.SUM) -> torch.Tensor:
         """``dist.all_reduce(tensor, op)`` over the current members, in place, for the loop's
         own agreements inside ``with step:`` (a loss to log, a vote to stop early). A peer lost
         meanwhile ends it as it ends gradsync's own collectives: at once, when another survivor
         has begun to regroup. Torch's call would wait out the backend's timeout, the survivors
-        would take this rank for stuck, and the job would take the restart path."""
-        work = dist.all_reduce(tensor, op=op, async_op=True)
-        assert work is not None
-        try:
-            wait_watching(work, self.recovery, self.recovery.model.options.timeout)
-        except RuntimeError as exc:
-            raise CollectiveTimeoutError(f"step {self.number}'s all_reduce: {exc}") from exc
-        return tensor
+        would take this rank for stuck, and the job would take the restart path. The step's
+        number travels with the tensor: ranks at different steps raise ``DesyncError``
+        (``collectives.py``)."""
+        timeout = self.recovery.model.options.timeout
+        return stamped_all_reduce(tensor, op, self.number, self.recovery, timeout)
 
     def __enter__(self) -> Step:
         self.recovery._begin(self)
@@ -212,6 +210,7 @@ class Recovery:
         self._starts = {n: s for n, s in self._starts.items() if n == step.number - 1}
         self._starts[step.number] = start
         self.optimizer_steps.begin(step.number)
+        self.model.reducer.loop_step = step.number  # rides in the step tags (checks/tags.py)
         # The sampler's own rule: a step is counted once its micro-batches are handed out, so a
         # checkpoint saved inside the step resumes at the next one.
         self.sampler.step = step.index + 1
@@ -255,7 +254,7 @@ class Recovery:
             log_fallback(self.membership.rank, step.number, error)
             raise error from exc
         except Exception as error:  # the store or a new connection failed
-            reason = NoRecoveryError(f"regrouping failed: {type(error).__name__}: {error}")
+            reason = regroup_failed(error, self.store_address)
             log_fallback(self.membership.rank, step.number, reason)
             raise reason from exc
         self.completed = target

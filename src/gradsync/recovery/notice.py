@@ -22,9 +22,12 @@ type alone.
 
 from __future__ import annotations
 
+import os
+
 import torch.distributed as dist
 
 from gradsync.errors import CollectiveTimeoutError
+from gradsync.recovery.membership import NoRecoveryError
 
 # What a step ends with when a peer was lost: gradsync's deadline error (a collective that a
 # peer left, or that did not complete in time), or torch's DistError family (DistBackendError,
@@ -35,3 +38,27 @@ LOST_PEER: tuple[type[BaseException], ...] = (CollectiveTimeoutError, dist.DistE
 def lost_a_peer(exc: BaseException) -> bool:
     """Whether ``exc``, raised inside a step, is how a collective ends when a peer is lost."""
     return isinstance(exc, LOST_PEER)
+
+
+def regroup_failed(error: BaseException, address: str | None) -> NoRecoveryError:
+    """Why the survivors cannot go on, when ``error`` ended their regroup: most often the job's
+    store (at ``address``, ``None``: the default group's) is gone, with the process that held it.
+    Then no survivor can reach the others, and each says so: where the store lived, and that
+    the restart path takes over."""
+    what = f"{type(error).__name__}: {error}"
+    if not isinstance(error, dist.DistNetworkError):
+        return NoRecoveryError(f"regrouping failed: {what}")
+    shared = "TORCHELASTIC_RUN_ID" in os.environ and (
+        os.environ.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE") != "1"
+    )
+    holder = (
+        "the torchrun agent of the rendezvous host (global rank 0's node)"
+        if shared
+        else "global rank 0's process"
+    )
+    at = f" at {address}" if address else ""
+    return NoRecoveryError(
+        f"regrouping failed: the job's store{at} cannot be reached ({what}): it lived in "
+        f"{holder}, lost with it, and the survivors can agree on who goes on only through "
+        "it; every survivor ends here, and torchrun's restart (--max-restarts) takes over"
+    )

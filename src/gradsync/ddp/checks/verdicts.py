@@ -65,6 +65,7 @@ class StepContext:
     used: Sequence[bool]  # which got a gradient on this rank in the window
     num_active: int  # ranks that contributed data (fewer inside join())
     num_reductions: int  # synchronised steps this rank completed before this one
+    loop_step: int | None  # the loop's number of this step, where a driver gives one
     watch: ParameterWatch
     changes: Sequence[str]  # how this rank's parameter set differs from wrapping time
     compare_windows: bool  # compare micro-batches per window (not with item_mean)
@@ -90,7 +91,7 @@ def check_tags(tags: list[StepTag | None], step: StepContext) -> None:
     """Raise on every rank if the step tags show desynchronised ranks, a changed parameter set
     or a missing item count; confirm a difference in parameter updates with checksums."""
     deadline = step.deadline
-    desync = find_desync(tags, step.num_reductions, step.compare_windows)
+    desync = find_desync(tags, step.num_reductions, step.compare_windows, step.loop_step)
     if desync is not None:
         raise DesyncError(f"{desync} (seen from rank {deadline.rank})")
     if ranks_with_flag(tags, PARAMS_CHANGED):
