@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
 import gradsync
 from gradsync.data import GlobalBatchSampler
@@ -98,6 +99,13 @@ def test_the_optimizer_steps_are_recorded_without_a_copy_and_a_second_one_is_ref
     assert steps.stepped_in == 0  # step 1 has not stepped yet
     _step(layer, opt)
     assert steps.stepped_in == 1
+    steps.begin(2)  # a save at the step's start: DCP steps a stateless optimizer at lr 0
+    sgd = torch.optim.SGD(layer.parameters(), lr=0.1)
+    sgd_steps = OptimizerSteps(sgd)
+    sgd_steps.begin(2)
+    get_optimizer_state_dict(layer, sgd)
+    _step(layer, sgd)  # the loop's step: not refused as a second one
+    assert sgd_steps.stepped_in == 2
     steps.end()  # between steps the loop may step as it likes: nothing recorded or refused
     _step(layer, opt)
     _step(layer, opt)

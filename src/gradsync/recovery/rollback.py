@@ -102,20 +102,22 @@ class OptimizerSteps:
         self.stepped_in: int | None = None  # the training step of the last optimizer step
         self.replay: int | None = None  # the step to run with optimizer.step() skipped
         self._skipping: tuple[Any] | None = None  # what the skip replaced: (instance step,)
+        self._counted = False  # whether the optimizer step under way is one of the loop's
         self._handles = [
             optimizer.register_step_pre_hook(lambda *_: self._before_step()),
             optimizer.register_step_post_hook(lambda *_: self._after_step()),
         ]
 
     def _before_step(self) -> None:
-        if self.step is not None and self.stepped_in == self.step:
+        self._counted = self.step is not None and not _creates_state(self.optimizer)
+        if self._counted and self.stepped_in == self.step:
             raise UsageError(
                 f"the optimizer stepped twice in step {self.step}: Recovery redoes a step "
                 "exactly only with one optimizer.step() per step"
             )
 
     def _after_step(self) -> None:
-        if self.step is not None:
+        if self._counted:
             self.stepped_in = self.step
 
     def begin(self, step: int) -> None:
@@ -160,6 +162,14 @@ class OptimizerSteps:
         self.end()
         for handle in self._handles:
             handle.remove()
+
+
+def _creates_state(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether the optimizer step about to run only creates the optimizer's state: no state
+    yet and every learning rate 0, as torch's DCP steps an optimizer to have a state to save
+    (``get_state_dict``). It changes no parameter: it is not the loop's step."""
+    rates = [g["lr"] for g in optimizer.param_groups if "lr" in g]
+    return not optimizer.state and bool(rates) and all(float(lr) == 0 for lr in rates)
 
 
 def _skipped(closure: Callable[[], Any] | None = None) -> None:
