@@ -12,6 +12,7 @@ mid-run with the ``Checkpointer`` ends with the bits of the uninterrupted run. A
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,7 @@ import gradsync
 from gradsync.checkpoint import Checkpointer
 from gradsync.comm.tree import leaf_range
 from gradsync.data import GlobalBatchSampler
+from gradsync.ddp.replan import autotune
 from gradsync.optim import MasterWeights
 from gradsync.testing.gpt import GPT, GPTConfig, lm_loss
 from gradsync.testing.spawn import spawn
@@ -33,6 +35,8 @@ from gradsync.verify.runner import VerifyConfig, verify
 
 SEQS, BLOCK, LEAF, GLOBAL = 400, 16, 2, 20  # 10 leaves of 2 sequences per step
 STEPS, MOVED_AT = 50, 25
+# past the switch to the chosen plan and its trial: the steps after it run under the new plan
+AUTO_STEPS = autotune.WARMUP_STEPS + autotune.PROFILE_STEPS + 2 * autotune.TRIAL_STEPS + 3
 
 
 def _data(n: int = SEQS) -> TensorDataset:
@@ -112,6 +116,33 @@ def test_the_gpt_is_the_same_bits_at_1_2_3_and_4_ranks() -> None:
     assert _equal(default_three, default_one), "float32 sums in another order gave equal bits"
     diff = max((default_three[k] - default_one[k]).abs().max().item() for k in one)
     assert diff < 1e-2, diff
+
+
+def _run_auto(rank: int, world: int, cap: str) -> dict[str, Any]:
+    """``AUTO_STEPS`` steps with buckets planned by ``cap``; with "auto" a bucket per parameter
+    is chosen and kept (every step timed alike), so that the plan does change."""
+    autotune.CANDIDATE_CAPS_MB = (0,)
+    ticks = itertools.count()
+    autotune._step_clock = lambda: float(next(ticks))
+    sampler = GlobalBatchSampler(range(SEQS), GLOBAL, LEAF, seed=1, deterministic=True)
+    model = _model()
+    ddp = gradsync.DistributedDataParallel(
+        model, reduction="item_mean", bucket_cap_mb=cap, deterministic=sampler.leaves_per_step
+    )
+    opt = torch.optim.AdamW(ddp.parameters(), lr=3e-3)
+    _train(ddp, opt, sampler, AUTO_STEPS, "item_mean", _data())
+    return {"params": _params(model), "buckets": ddp.num_buckets}
+
+
+@pytest.mark.timeout(300)
+def test_bucket_cap_auto_changes_the_plan_and_no_bit() -> None:
+    # [Note: a new bucket plan changes no sum] in ddp/deterministic.py
+    one = spawn(_run_auto, 1, ("scaled",))[0]
+    assert one["buckets"] == 1
+    for world in (2, 3):
+        for rank, got in enumerate(spawn(_run_auto, world, ("auto",))):
+            assert got["buckets"] == len(one["params"]) - 1, got["buckets"]  # the attn mask
+            assert _equal(got["params"], one["params"]) == [], (world, rank)
 
 
 @pytest.mark.timeout(300)
@@ -207,7 +238,6 @@ def _refusals(rank: int, world: int) -> dict[str, str]:
 
     attempt("compression", lambda: wrap(compression="bf16"))
     attempt("algorithm", lambda: wrap(algorithm="ring"))
-    attempt("auto", lambda: wrap(bucket_cap_mb="auto"))
     attempt("zero", lambda: wrap().shard_optimizer(torch.optim.SGD, lr=0.1))
     attempt("hook", lambda: wrap().register_comm_hook(None, lambda s, b: None))
     attempt("buffers", lambda: wrap(nn.BatchNorm1d(4)))
@@ -235,7 +265,6 @@ def test_what_breaks_the_promise_is_refused_on_every_rank() -> None:
     for rank, out in enumerate(said):
         assert "bf16" in out["compression"] and "rounds partial sums" in out["compression"]
         assert "algorithm='ring'" in out["algorithm"]
-        assert "bucket_cap_mb='auto'" in out["auto"]
         assert "shard_optimizer()" in out["zero"] and "world size" in out["zero"]
         assert "register_comm_hook cannot be combined with deterministic=" in out["hook"]
         assert "broadcast_buffers=False" in out["buffers"]

@@ -33,11 +33,16 @@ collectives of a step's first forward (the first-batch fingerprint, the replica 
 either mode ([Note: the forward protocol]), so every rank issues them in the same order
 whether its first and last leaf are one forward or two.
 
+[Note: a new bucket plan changes no sum]
+``bucket_cap_mb="auto"`` lays the buckets out again after its profiled steps (``replan/``),
+always at a step boundary, where no leaf is held. The tree adds each gradient element over the
+same leaves in the same order whichever bucket the element lies in, so a plan changes what
+travels together, never a sum: the parameters are the bits of a fixed plan.
+
 Refused, naming why: lossy wires (``compression=``; they round partial sums), another
-``algorithm=`` and torch comm hooks (they choose the summation order), ``bucket_cap_mb="auto"``
-(it replaces the buckets mid-run), ``shard_optimizer()`` (its clipping norm adds per-rank slices),
-a ``device_mesh`` (context- and tensor-parallel contributions are not leaves), DTensor
-parameters.
+``algorithm=`` and torch comm hooks (they choose the summation order), ``shard_optimizer()``
+(its clipping norm adds per-rank slices), a ``device_mesh`` (context- and tensor-parallel
+contributions are not leaves), DTensor parameters.
 """
 
 from __future__ import annotations
@@ -52,9 +57,7 @@ from gradsync.errors import UsageError
 _WHY = "the deterministic mode (deterministic=) sums the leaves in its own fixed order"
 
 
-def refuse_in_deterministic_mode(
-    leaves: object, compression: object, algorithm: str, auto: bool
-) -> None:
+def refuse_in_deterministic_mode(leaves: object, compression: object, algorithm: str) -> None:
     """Check ``deterministic`` (``leaves``) and refuse the settings (``SyncOptions``'s) it
     cannot keep its promise with."""
     if leaves is None:
@@ -75,12 +78,6 @@ def refuse_in_deterministic_mode(
         raise UsageError(
             f"algorithm={algorithm!r} cannot be combined with deterministic=: "
             f"{_WHY}, not an all-reduce's"
-        )
-    if auto:
-        raise UsageError(
-            "bucket_cap_mb='auto' cannot be combined with deterministic=: it replaces the "
-            "buckets mid-run (the result would not change, but their leaves would be lost); "
-            "pass a number"
         )
 
 

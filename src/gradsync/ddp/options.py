@@ -112,9 +112,7 @@ class SyncOptions:
         object.__setattr__(self, "algorithm", get_algorithm(self.algorithm))
         describe_compression(self.compression)
         check_cap(self.bucket_cap_mb)
-        refuse_in_deterministic_mode(
-            self.deterministic, self.compression, self.all_reduce.name, self.auto
-        )
+        refuse_in_deterministic_mode(self.deterministic, self.compression, self.all_reduce.name)
         if self.auto and isinstance(self.compression, PowerSGD):
             raise UsageError(
                 "bucket_cap_mb='auto' cannot be combined with compression=PowerSGD: its "
