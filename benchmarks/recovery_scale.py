@@ -13,8 +13,9 @@ default settings; the last rank SIGKILLs itself inside backward of step 2
   wrapper), redo (-> the redone step completed);
 - the store operations a survivor spent in the roll call and in the regroup (every call of
   the survivor's main thread, torch's group set-up included; median and largest over the
-  survivors), the keys and bytes they carried, and the background operations per second
-  (the heartbeat) a rank spends while nothing fails;
+  survivors), the keys and bytes they carried, gradsync's own operations apart from torch's
+  group set-up, and the background operations per second (the heartbeat) a rank spends
+  while nothing fails;
 - whether the survivors' parameters equal one process trained on the same global batches.
 
 Also the store's own throughput on this machine (one client, round trips per second).
@@ -25,6 +26,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -41,7 +43,7 @@ def store_throughput(seconds: float = 1.0) -> dict[str, float]:
     client = dist.TCPStore("127.0.0.1", server.port, is_master=False)
     client.set("k", "x" * 64)
     keys = [f"h{i}" for i in range(1024)]
-    client.multi_set(keys, ["1" * 8] * len(keys))
+    client.multi_set(keys, ["1" * 8] * len(keys))  # type: ignore[attr-defined]
     ops = {
         "add": lambda: client.add("n", 1),
         "get (64 B)": lambda: client.get("k"),
@@ -58,7 +60,7 @@ def store_throughput(seconds: float = 1.0) -> dict[str, float]:
     return out
 
 
-def one_run(world: int) -> dict[str, object] | None:
+def one_run(world: int) -> dict[str, Any] | None:
     results = spawn(
         lose_a_rank,
         world,
@@ -80,12 +82,13 @@ def one_run(world: int) -> dict[str, object] | None:
     r0 = survivors[0]
     event = r0["events"][0]
     first = min(t for _, gen, t in r0["done"] if gen == 1)
-    out: dict[str, object] = {
+    out: dict[str, Any] = {
         "noticed": event["noticed"] - r0["signalled"],
         "roll call": event["agreed"] - event["noticed"],
         "regroup": event["regrouped"] - event["agreed"],
         "redo": first - event["regrouped"],
         "kill -> next step": first - r0["signalled"],
+        "a step before the loss": r0["done"][1][2] - r0["done"][0][2],
         "exact": exact,
         "heartbeat ops/s": statistics.median(r["background_ops_per_s"] for r in survivors),
     }
@@ -93,6 +96,8 @@ def one_run(world: int) -> dict[str, object] | None:
         for what in ("ops", "keys", "bytes"):
             values = [r["ops"][phase][what] for r in survivors]
             out[f"{phase} {what}"] = (statistics.median(values), max(values))
+        values = [r["gradsync_ops"][phase]["ops"] for r in survivors]
+        out[f"{phase} ops, gradsync's own"] = (statistics.median(values), max(values))
     return out
 
 
@@ -118,7 +123,7 @@ def main() -> int:
                 top = max(v[1] for v in values)
                 print(f"  store {key:28s} {med:10.0f} / {top:.0f}")
             else:
-                print(f"  {key:34s} {statistics.median(values):10.3f}")  # type: ignore[type-var]
+                print(f"  {key:34s} {statistics.median(values):10.3f}")
     return 0
 
 
