@@ -21,20 +21,19 @@ from gradsync.failfast import liveness
 from gradsync.failfast.deadline import wait_watching
 from gradsync.failfast.liveness import ProcessId, process_state, this_process
 from gradsync.recovery import Membership, NoRecoveryError, RankExcludedError, Recovery, Report
-from gradsync.recovery.membership import agree
+from gradsync.recovery.membership import agree, publish_process
 from gradsync.recovery.rollback import OptimizerSteps, StepStart, holder_of
 
 
 def _agree_all(store: dist.Store, reports: dict[int, Report], windows: dict[int, float]) -> dict:
     """Run agree() for each rank in ``reports`` on its own thread; rank -> result or error."""
-    current = Membership(0, (0, 1, 2), 0, {})
-    peers = {r: None for r in range(3)}  # another host: no process to look at
+    current = Membership(0, (0, 1, 2), 0, {})  # no process published: as on another host
     out: dict[int, object] = {}
 
     def run(rank: int) -> None:
         me = Membership(0, current.members, rank, {})
         try:
-            out[rank] = agree(store, "s", me, reports[rank], peers, windows[rank])
+            out[rank] = agree(store, "s", me, reports[rank], windows[rank])
         except Exception as exc:  # noqa: BLE001
             out[rank] = exc
 
@@ -70,9 +69,9 @@ def test_a_survivor_that_answers_after_the_decision_is_left_out_not_split_off() 
 def test_a_silent_rank_seen_alive_on_this_host_sends_everyone_to_the_restart_path() -> None:
     store = dist.HashStore()
     me = Membership(0, (0, 1), 0, {})
-    alive = this_process()  # rank 1 "is" this very process: running, and silent
-    with pytest.raises(NoRecoveryError, match="alive but did not answer"):
-        agree(store, "s", me, Report(1, "forward"), {0: None, 1: alive}, 0.05)
+    publish_process(store, "s", 1)  # rank 1 "is" this very process: running, and silent
+    with pytest.raises(NoRecoveryError, match=r"alive but did not answer \(rank 1: its process"):
+        agree(store, "s", me, Report(1, "forward"), 0.05)
 
 
 def _adam_and_params() -> tuple[nn.Linear, torch.optim.Optimizer]:

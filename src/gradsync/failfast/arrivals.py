@@ -108,24 +108,43 @@ class ArrivalRecords:
     def wait_for_all(self, seq: int, timeout: timedelta) -> list[int]:
         """Wait until every rank has recorded operation ``seq``; return those that have not
         within ``timeout`` (empty: all arrived; ``[-1]``: all arrived, but some rank had given
-        up before this one came). Polls the store: no collective is involved, so a rank that
-        never comes cannot hold this rank past the deadline."""
+        up before this one came). Waits in the store: no collective is involved, so a rank
+        that never comes cannot hold this rank past the deadline. Every rank calls it once
+        per ``seq``."""
         if self.store is None:
             return []
-        give_up = time.monotonic() + timeout.total_seconds()
-        pause = 0.001
-        abandoned = f"{self.namespace}abandoned/{seq}"
-        while True:
+        # A count of arrivals, and a mark set by the last to arrive: three store operations
+        # each, whatever the world size (polling every rank's record cost O(N) a look).
+        done = f"{self.namespace}all/{seq}"
+        try:
+            if self.store.add(f"{self.namespace}count/{seq}", 1) == len(self.global_ranks):
+                self.store.set(done, "1")
+            self.store.wait([done], timeout)
+        except dist.DistNetworkError as exc:  # the store failed: the collective will tell
+            self._lose_store(first_line(exc))
+            return []
+        except RuntimeError:  # the timeout (a FileStore's is untyped): say who is behind
             records = self.read()
             behind = [r for r in range(len(self.global_ranks)) if records.get(r, (0,))[0] < seq]
-            if not behind:
-                # A rank that already gave up will not take part: arriving now is too late.
-                return [-1] if self._exists(abandoned) else []
-            if time.monotonic() >= give_up:
-                self._set(abandoned, "1")  # tell latecomers not to go on alone
-                return behind
-            time.sleep(pause)
-            pause = min(pause * 2, 0.05)
+            if behind:  # tell latecomers not to go on alone
+                self._set(f"{self.namespace}abandoned/{seq}", "1")
+            return behind
+        self._remember_processes()
+        # A rank that already gave up will not take part: arriving now is too late.
+        return [-1] if self._exists(f"{self.namespace}abandoned/{seq}") else []
+
+    def _remember_processes(self) -> None:
+        """Who wrote each rank's record, read in one ``multi_get`` (every rank has written
+        one): what this host can still look up once the store is gone."""
+        try:
+            assert self.store is not None
+            keys = [self._key(rank) for rank in range(len(self.global_ranks))]
+            for rank, text in enumerate(self.store.multi_get(keys)):
+                process = ProcessId.decode(text.decode().split("|", 3)[2])
+                if process is not None:
+                    self._processes[rank] = process
+        except Exception as exc:  # the store failed: the collective will tell
+            self._lose_store(first_line(exc))
 
     def _exists(self, key: str) -> bool:
         try:

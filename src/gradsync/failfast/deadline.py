@@ -294,8 +294,13 @@ class Deadline:
             how = f"gave up waiting for {what} ({self.where}) after {waited:.1f} s"
         # Who is missing, and who died: the roll call takes what is left of the deadline, at
         # most a couple of seconds (peers that fail with this rank answer within milliseconds).
-        roll_call_s = 0.0 if watching() else min(_ROLL_CALL_S, max(limit - waited, 0.0))
-        where = self.arrivals.after_failure(self.seq, self.where, roll_call_s)
+        # Under in-process recovery the survivors' roll call names the lost, in O(1) store
+        # operations each; reading every rank's record here would cost O(N) each, O(N^2) at
+        # the store, at every loss.
+        where = "who is lost, the survivors' roll call says"
+        if not watching():
+            roll_call_s = min(_ROLL_CALL_S, max(limit - waited, 0.0))
+            where = self.arrivals.after_failure(self.seq, self.where, roll_call_s)
         self.failure = f"rank {self.rank} {how}; {where}. (backend: {cause})"
         error = CollectiveTimeoutError(f"{self.failure} {_CULPRITS}")
         if self.owns_group:

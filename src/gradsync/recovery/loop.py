@@ -48,6 +48,7 @@ from gradsync.recovery.events import (
     log_fallback,
     log_lost,
 )
+from gradsync.recovery.heartbeat import Heartbeat
 from gradsync.recovery.membership import (
     Membership,
     NoRecoveryError,
@@ -55,7 +56,8 @@ from gradsync.recovery.membership import (
     agree,
     announce,
     begun,
-    processes,
+    begun_key,
+    gather,
     publish_process,
 )
 from gradsync.recovery.notice import lost_a_peer, regroup_failed
@@ -157,6 +159,9 @@ class Recovery:
         join = join if join is not None else joining()
         # kept: it outlives every group; a replacement joins with GRADSYNC_JOIN=store_address
         self.store, self.store_address = job_store(join)
+        # beats from now on; watches the next member inside steps ([Note: heartbeats])
+        self.heartbeat = Heartbeat(self.store)
+        weakref.finalize(self, self.heartbeat.close)
         self.changes: list[Change] = []  # one record per membership change (events.py)
         self._redoing: int | None = None  # the change whose redone step is under way
         self._offer: heal.Offer | None = None  # the admission offered to replacements
@@ -171,8 +176,9 @@ class Recovery:
         token = [os.urandom(8).hex()]
         dist.broadcast_object_list(token, group_src=0)
         self._namespace = token[0]
-        publish_process(self.store, self._generation_key(), self.membership.rank)
-        self._peers = processes(self.store, self._generation_key(), self.membership.world_size)
+        self._publish()
+        scope, timeout = self._generation_key(), self.model.options.timeout
+        gather(self.store, scope, "started", self.membership.world_size, timeout)
 
     @property
     def events(self) -> list[dict[str, Any]]:
@@ -190,6 +196,10 @@ class Recovery:
         """The steps to run, each as a :class:`Step` to enter with ``with``: until ``max_steps``
         steps are completed (over all epochs), or the end of epoch ``epochs - 1``. A step a lost
         rank interrupted comes again, over the survivors."""
+        if self.heartbeat.closed:  # steps() again, after the end of an earlier loop
+            self.heartbeat = Heartbeat(self.store)
+            weakref.finalize(self, self.heartbeat.close)
+            self._publish()
         while max_steps is None or self.completed < max_steps:
             if self.sampler.step >= self.sampler.steps_per_epoch:
                 if epochs is not None and self.sampler.epoch + 1 >= epochs:
@@ -200,12 +210,14 @@ class Recovery:
             yield step
             if not step.entered:
                 raise UsageError("run every step of Recovery.steps() inside `with step:`")
+        self.heartbeat.finish()  # peers still in the last step see it finished, not dead
         if self.membership.rank == 0:
             heal.close(self.store)  # replacements still waiting would wait for nothing
 
     # -- the step's bookkeeping -----------------------------------------------------------------
     def _begin(self, step: Step) -> None:
         step.entered = True
+        self.heartbeat.watching = True
         start = StepStart.take(self.model.module, self.optimizer, self.lr_scheduler, self.sampler)
         self._starts = {n: s for n, s in self._starts.items() if n == step.number - 1}
         self._starts[step.number] = start
@@ -216,6 +228,7 @@ class Recovery:
         self.sampler.step = step.index + 1
 
     def _completed(self, step: Step) -> None:
+        self.heartbeat.watching = False
         self.completed = step.number + 1
         self.optimizer_steps.end()
         if self._redoing is not None:
@@ -229,6 +242,7 @@ class Recovery:
     def _recover(self, step: Step, exc: BaseException) -> None:
         """Survive the loss that ``exc`` reports, or raise why not (the restart path)."""
         noticed = time.time()
+        self.heartbeat.watching = False
         me, steps = self.membership, self.optimizer_steps
         steps.end()
         phase = _phase(self.model, steps.stepped_in == step.number, exc)
@@ -236,9 +250,7 @@ class Recovery:
         try:
             announce(self.store, self._generation_key())  # wakes survivors still waiting
             backend = close_groups()
-            new, lost = agree(
-                self.store, self._generation_key(), me, report, self._peers, self.window
-            )
+            new, lost = agree(self.store, self._generation_key(), me, report, self.window)
             agreed = time.time()
             target = min(r.done for r in new.reports.values())
             self._check_can_go_on(new, target, lost)
@@ -277,9 +289,14 @@ class Recovery:
     def _regroup_to(self, new: Membership, backend: str) -> None:
         self.membership, self._offer = new, None
         scope, timeout = self._generation_key(), self.model.options.timeout
+        self._publish()  # before the new group: every member has, once it is up
         regroup(self.store, scope, new.rank, new.world_size, backend, timeout)
-        publish_process(self.store, scope, new.rank)
-        self._peers = processes(self.store, scope, new.world_size)
+
+    def _publish(self) -> None:
+        """This process and its heartbeat, under the current generation's keys."""
+        scope, me = self._generation_key(), self.membership
+        publish_process(self.store, scope, me.rank)
+        self.heartbeat.beat_as(scope, me.rank, me.world_size, begun_key(scope))
 
     def _continue_on_the_new_group(self, from_rank_0: bool = False) -> None:
         """The wrapper (its replicas checked equal, or made rank 0's), the checkpointer and
