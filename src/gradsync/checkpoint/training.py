@@ -36,6 +36,7 @@ from gradsync.checkpoint.folder import (
 )
 from gradsync.checkpoint.loadable import check_loadable
 from gradsync.checkpoint.state import TrainingObjects, mismatches, refuse_resize, snapshot
+from gradsync.ddp.compat.state_keys import RanksOutOfData
 from gradsync.elastic import joining
 from gradsync.errors import CheckpointError, CollectiveTimeoutError, ProtocolError, UsageError
 from gradsync.failfast.deadline import Deadline, as_timedelta, regroup_begun, watching
@@ -217,6 +218,8 @@ class Checkpointer:
         try:
             state = self.objects.state_dict(self.rank)
             check_loadable(state, f"checkpoint of step {step}", key="state", any_tensor=True)
+        except RanksOutOfData:
+            raise  # every rank here raises it; the ranks out of data would never agree
         except (UsageError, ProtocolError) as exc:
             problem = f"rank {self.rank}: {str(exc).removeprefix('gradsync: ')}"
         problems = self._gather(problem, f"the check before saving step {step}")
