@@ -16,7 +16,6 @@ from __future__ import annotations
 import os
 import threading
 import warnings
-import weakref
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -37,6 +36,7 @@ from gradsync.checkpoint.folder import (
 )
 from gradsync.checkpoint.loadable import check_loadable
 from gradsync.checkpoint.state import TrainingObjects, mismatches, refuse_resize, snapshot
+from gradsync.ddp.compat.state_keys import RanksOutOfData
 from gradsync.elastic import joining
 from gradsync.errors import CheckpointError, CollectiveTimeoutError, ProtocolError, UsageError
 from gradsync.failfast.deadline import Deadline, as_timedelta, regroup_begun, watching
@@ -85,6 +85,7 @@ class Checkpointer:
         self._error: BaseException | None = None
         self._staging: Any = None  # the last async snapshot, refilled by the next one
         if joining():  # a replacement: the job it joins holds the folder and its partials
+            owner.join(self.folder.root)
             return
         self._claim_folder()
         if self.rank == 0:
@@ -107,20 +108,26 @@ class Checkpointer:
         return self._deadline.gather_objects(obj, what)
 
     def _claim_folder(self) -> None:
-        """Rank 0 takes the folder for this job; a folder another job holds is refused on
-        every rank, before anything is written or removed (see [Note: a folder belongs to one
-        job] in ``owner.py``). The claim ends with this checkpointer."""
+        """Rank 0 takes the folder for this job, then the other ranks hold it too; a folder
+        another job holds is refused on every rank, before anything is written or removed (see
+        [Note: a folder belongs to one job] in ``owner.py``). The claim lasts as long as the
+        job's processes."""
         problem = None
         if self.rank == 0:
             self.folder.root.mkdir(parents=True, exist_ok=True)
-            try:
-                lock = owner.claim(self.folder.root)
-                weakref.finalize(self, owner.release, lock)
-            except CheckpointError as exc:
-                problem = str(exc).removeprefix("gradsync: ")
+            problem = _claimed(owner.claim, self.folder.root)
         verdict = self._gather(problem, f"the claim of {self.folder.root} by rank 0")[0]
         if verdict is not None:
             raise CheckpointError(verdict)
+        self._hold_folder("the claim")
+
+    def _hold_folder(self, what: str) -> None:
+        """Every rank holds the folder as a process of this job (rank 0's claim is kept)."""
+        problem = _claimed(owner.join, self.folder.root)
+        problems = self._gather(problem, f"{what} of {self.folder.root} by every rank")
+        found = [f"rank {r}: {p}" for r, p in enumerate(problems) if p]
+        if found:
+            raise CheckpointError("; ".join(found))
 
     # -- saving ---------------------------------------------------------------------------
     def save(self, step: int) -> Path:
@@ -177,7 +184,7 @@ class Checkpointer:
         name, timeout = "the regrouped Checkpointer", self._deadline.timeout
         self._deadline = Deadline.for_group(None, timeout, name, backend="gloo")
         self._group = self._deadline.group
-        self._claim_folder()  # rank 0 may be another process now
+        self._hold_folder("the regroup")  # the survivors hold it; a replacement joined it
         if self.rank == 0:
             self.folder.remove_partials()
         self._agree("the regroup of a Checkpointer")
@@ -211,6 +218,8 @@ class Checkpointer:
         try:
             state = self.objects.state_dict(self.rank)
             check_loadable(state, f"checkpoint of step {step}", key="state", any_tensor=True)
+        except RanksOutOfData:
+            raise  # every rank here raises it; the ranks out of data would never agree
         except (UsageError, ProtocolError) as exc:
             problem = f"rank {self.rank}: {str(exc).removeprefix('gradsync: ')}"
         problems = self._gather(problem, f"the check before saving step {step}")
@@ -318,6 +327,15 @@ class Checkpointer:
                 stacklevel=3,
             )
         return step
+
+
+def _claimed(take: Any, root: Path) -> str | None:
+    """What ``take(root)`` (``owner.claim`` or ``owner.join``) raised, if anything."""
+    try:
+        take(root)
+    except CheckpointError as exc:
+        return str(exc).removeprefix("gradsync: ")
+    return None
 
 
 _num_checkpointers = 0  # built in this process: the same sequence on every rank

@@ -71,11 +71,17 @@ class JoinProtocol:
         self.rounds_served = 0  # rounds of the others' steps this rank stepped in without data
         self.stepping = False  # inside model.join(optimizer)
         self.divides_by_world = False  # torch's Join(divide_by_initial_world_size=True)
+        self.ran_out = 0  # ranks out of data at this rank's last handshake, inside a join
 
     def joining(self, joinable: Joinable) -> bool:
         """Inside ``model.join(optimizer)``, or inside torch's ``Join`` (which enables the
         ``_join_config`` of ``joinable``, the wrapper)."""
         return self.stepping or joinable._join_config.enable
+
+    def waiting(self, joinable: Joinable) -> int:
+        """How many ranks wait in the join for lack of data (as of the last handshake): a save
+        inside a join is whole between steps that every rank runs, and refused after that."""
+        return self.ran_out if self.joining(joinable) else 0
 
     def due(self, sync: bool) -> bool:
         """Whether a training forward with ``sync`` answers the handshake: every one, or in the
@@ -95,6 +101,7 @@ class JoinProtocol:
         self.deadline.all_reduce(t, what)
         self.rounds_active += int(active)
         num_active, syncing, broadcasting = t.tolist()
+        self.ran_out = self.deadline.world_size - num_active
         return num_active, syncing > 0, broadcasting > 0
 
     def active_round(self, sync: bool, broadcast: bool) -> int:
@@ -171,6 +178,7 @@ class JoinProtocol:
         """``model.join(optimizer)``: answer every round of the others after this rank's loop
         ends, then take the final state."""
         self.rounds_active, self.rounds_served, self.stepping = 0, 0, True
+        self.ran_out = 0
         try:
             yield
         except BaseException as exc:
@@ -198,6 +206,7 @@ class JoinProtocol:
         """The hook torch's ``Join`` drives for ``joinable``: torch counts the active ranks with
         its own all-reduce, so each ``main_hook`` answers exactly one round."""
         self.rounds_active, self.divides_by_world = 0, bool(divide_by_initial_world_size)
+        self.ran_out = 0
         return _TorchJoinHook(self, state, joinable)
 
     def authoritative_rank(self) -> int:

@@ -191,11 +191,11 @@ class DDPState:
         self.forward.unused_last.disable()  # the hook's state may be per bucket
 
     # -- checkpoints: gradsync's own training state --------------------------------------------
-    def sync_state(self, joining: bool) -> dict[str, Any]:
+    def sync_state(self, waiting: int) -> dict[str, Any]:
         """What ``sync_state_dict()`` saves: the step count, the last replica check, the unused
         parameters planned last and the comm hook's state; refused mid-step."""
         reducer = self.reducer
-        refuse_mid_step(reducer.window_open, joining)
+        refuse_mid_step(reducer.window_open, waiting)
         state: dict[str, Any] = {
             "num_reductions": reducer.num_reductions,
             "replicas_checked_at": self.forward.replicas_checked_at,
@@ -205,11 +205,11 @@ class DDPState:
         comm = reducer.comm_hook.state_dict()
         return {**state, "comm": comm} if comm else state
 
-    def load_sync_state(self, state: Mapping[str, Any], compression: str, joining: bool) -> None:
+    def load_sync_state(self, state: Mapping[str, Any], compression: str, waiting: int) -> None:
         """Continue from :meth:`sync_state` (a collective: a state one rank cannot load is
         refused on every rank before any rank has changed anything)."""
         reducer = self.reducer
-        refuse_mid_step(reducer.window_open, joining)
+        refuse_mid_step(reducer.window_open, waiting)
         refuse_unloadable(reducer.comm_hook, compression, state, self.deadline)
         self.forward.unused_last.load(state.get("unused_last"), self.plan_last)
         reducer.resume_from(int(state["num_reductions"]))

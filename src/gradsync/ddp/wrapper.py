@@ -326,12 +326,12 @@ class DistributedDataParallel(TorchSurface, TorchDDP):  # type: ignore[override,
     def sync_state_dict(self) -> dict[str, Any]:
         """gradsync's own training state (``state_dict()`` stays the module's): step counter,
         last replica check, bucket plan, compression state. ``ProtocolError`` inside an
-        accumulation window or ``join()``: no checkpoint holds the no_sync() gradients."""
-        return self._state.sync_state(self._state.join.joining(self))
+        accumulation window (no checkpoint holds the no_sync() gradients), or inside ``join()``
+        once a rank ran out of data (it takes no part in a save)."""
+        return self._state.sync_state(self._state.join.waiting(self))
 
     def load_sync_state_dict(self, state: Mapping[str, Any]) -> None:
         """Continue from :meth:`sync_state_dict`. A collective (one small all-gather): a state
         one rank cannot load is refused on every rank before any rank has changed anything."""
-        joining = self._state.join.joining(self)
         compression = describe_compression(self.compression)
-        self._state.load_sync_state(state, compression, joining)
+        self._state.load_sync_state(state, compression, self._state.join.waiting(self))

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from gradsync.testing.forkserver import take_parents
-from gradsync.testing.pristine import Pristine, import_library
+from gradsync.testing.pristine import Pristine, end_claims, import_library
 from gradsync.testing.ranks import RankFailure, free_groups, run_rank
 
 
@@ -76,5 +76,6 @@ def _serve(conn: Connection, parent: tuple[dict[str, str], str]) -> None:
         send(conn, ("result", message[1], ok, value))
         del value
         free_groups()
+        end_claims()
         pristine.join_threads()
         send(conn, ("clean", message[1], pristine.leftovers()))

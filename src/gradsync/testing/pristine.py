@@ -9,8 +9,9 @@ counters (every rank must build its n-th wrapper or checkpointer under the same 
 worker that ran an earlier case on fewer ranks would otherwise be ahead of a fresh one); and
 the modules a case imported from outside the library and torch (its test module: imported
 again, with fresh globals, by the next case). What cannot be put back is checked instead
-(:meth:`Pristine.leftovers`): a process group, a checkpoint folder's lock or threads that
-outlive the case make the pool replace the worker.
+(:meth:`Pristine.leftovers`): a process group or threads that outlive the case make the pool
+replace the worker. A case is a job: the checkpoint folders it claimed are let go after it
+(:func:`end_claims`), as a job's are when its processes end.
 """
 
 from __future__ import annotations
@@ -103,6 +104,14 @@ def _handlers() -> dict[signal.Signals, Any]:
     return out
 
 
+def end_claims() -> None:
+    """Let go of the checkpoint folders the case claimed (a job holds them for its processes'
+    life, and a pooled worker's process outlives the case)."""
+    owner = sys.modules.get("gradsync.checkpoint.owner")
+    if owner is not None:
+        owner.release_all()
+
+
 class Pristine:
     """The state of a worker process right after start-up."""
 
@@ -172,9 +181,6 @@ class Pristine:
         """Why this worker should not run another case (``""``: it may)."""
         if dist.is_initialized():
             return "a process group outlived the case"
-        owner = sys.modules.get("gradsync.checkpoint.owner")
-        if owner is not None and getattr(owner, "_held", None):
-            return "a checkpointer still holds its folder's lock"
         parked = len(set(threading.enumerate()) - self.threads)
         if parked > MAX_PARKED_THREADS:
             return f"{parked} threads left by earlier cases"

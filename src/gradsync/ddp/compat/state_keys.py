@@ -38,14 +38,27 @@ def strip_prefixes(
     return max(versions, key=lambda version: len(own.intersection(version)))
 
 
-def refuse_mid_step(window_open: bool, joining: bool) -> None:
-    """A checkpoint of gradsync's state is refused inside an accumulation window or ``join()``:
-    the gradients accumulated so far would be lost."""
-    if window_open or joining:
-        where = "inside join()" if joining else "inside an accumulation window"
+class RanksOutOfData(ProtocolError):
+    """A checkpoint inside ``join()`` once some ranks ran out of data: raised by every rank that
+    asks, all of which know it from the same handshake, so a checkpointer raises it at once
+    instead of waiting for the absent ranks to agree."""
+
+
+def refuse_mid_step(window_open: bool, waiting: int) -> None:
+    """A checkpoint of gradsync's state is refused inside an accumulation window (the gradients
+    accumulated so far would be lost) or inside ``join()`` once ``waiting`` ranks ran out of
+    data (they wait in the join and take no part in a save). Between two steps of a join that
+    every rank still runs, nothing is lost: the deterministic loop saves there mid-epoch."""
+    if window_open:
         raise ProtocolError(
-            f"a checkpoint was requested {where}: the gradients accumulated so far would "
-            "be lost; save after optimizer.step(), outside join()"
+            "a checkpoint was requested inside an accumulation window: the gradients "
+            "accumulated so far would be lost; save after optimizer.step()"
+        )
+    if waiting:
+        raise RanksOutOfData(
+            f"a checkpoint was requested inside join() after {waiting} rank(s) ran out of "
+            "data: they wait in the join and cannot take part in a save. Save after a step "
+            "every rank ran (before an epoch's short last step), or after the join"
         )
 
 
