@@ -20,7 +20,7 @@ from gradsync.data import GlobalBatchSampler
 from gradsync.failfast import liveness
 from gradsync.failfast.deadline import wait_watching
 from gradsync.failfast.liveness import ProcessId, process_state, this_process
-from gradsync.recovery import Membership, NoRecoveryError, RankExcludedError, Recovery, Report
+from gradsync.recovery import Membership, NoRecoveryError, RankExcludedError, Recovery, Report, heal
 from gradsync.recovery.membership import agree, publish_process
 from gradsync.recovery.rollback import OptimizerSteps, StepStart, holder_of
 
@@ -173,6 +173,37 @@ def test_recovery_refuses_settings_it_cannot_redo_exactly(kwargs: dict, match: s
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with pytest.raises(gradsync.UsageError, match=match):
         Recovery(model, opt, GlobalBatchSampler(range(8), 4))
+
+
+@pytest.mark.parametrize("prefixed", [False, True])
+def test_outside_torchrun_a_tcp_store_gives_the_address_a_replacement_joins_at(
+    prefixed: bool,
+) -> None:
+    """``init_process_group(store=...)`` or ``env://`` under another launcher: the job's store
+    is the default group's TCPStore, and a replacement's client at ``store_address`` sees the
+    keys the job reads (a ticket it takes is waiting for the job)."""
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    store = dist.PrefixStore("launcher/", server) if prefixed else server
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        model = gradsync.DistributedDataParallel(nn.Linear(2, 2), reduction="item_mean")
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        recovery = Recovery(model, opt, GlobalBatchSampler(range(8), 4, num_replicas=1, rank=0))
+        assert recovery.store_address == f"127.0.0.1:{server.port}"
+        host, port = recovery.store_address.rsplit(":", 1)
+        replacement = dist.TCPStore(host, int(port), is_master=False)
+        ticket = heal.ask(replacement)
+        assert heal.waiting(recovery.store) == (ticket,)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.usefixtures("one_rank")
+def test_a_file_store_has_no_address_to_join_at() -> None:
+    model = gradsync.DistributedDataParallel(nn.Linear(2, 2), reduction="item_mean")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    recovery = Recovery(model, opt, GlobalBatchSampler(range(8), 4, num_replicas=1, rank=0))
+    assert recovery.store_address is None
 
 
 @pytest.mark.usefixtures("one_rank")

@@ -125,7 +125,8 @@ class Recovery:
             the new membership (a save a lost rank interrupted is abandoned, then redone with
             its step).
         window: the longest the survivors wait for each other's answers after a loss (seconds);
-            a silent rank on another host is taken for lost after it.
+            a member still beating but silent after it sends the job to the restart path, so
+            set it above a step's longest stretch of compute without a collective.
         min_world_size: fewer survivors than this take the restart path instead.
         join: the ``host:port`` of a running job's store (its ``store_address``) to join as a
             replacement; by default ``GRADSYNC_JOIN``, if set ([Note: joining a running job]

@@ -50,12 +50,19 @@ def close_groups() -> str:
 def job_store(join: str | None) -> tuple[dist.Store, str | None]:
     """The store every member, and a replacement, can reach, and its ``host:port`` if it has
     one: the store at ``join`` (a replacement's), else under torchrun a client of the workers'
-    store (``MASTER_ADDR``, ``MASTER_PORT``), else the default group's (``file://``)."""
+    store (``MASTER_ADDR``, ``MASTER_PORT``), else the default group's: a ``TCPStore`` (any
+    launcher's ``env://`` or ``tcp://``, or one passed as ``store=``) has an address a
+    replacement can join at; a ``file://`` store has none."""
     address = join
     if address is None and "TORCHELASTIC_RUN_ID" in os.environ:
         address = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
     if address is None:
-        return dist.distributed_c10d._get_default_store(), None
+        store = dist.distributed_c10d._get_default_store()
+        while isinstance(store, dist.PrefixStore):  # the keys as a replacement's client sees them
+            store = store.underlying_store
+        if isinstance(store, dist.TCPStore):
+            return store, f"{store.host}:{store.port}"
+        return store, None
     host, port = address.rsplit(":", 1)
     return dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=60)), address
 
