@@ -6,8 +6,9 @@ in several buckets, on 10 leaves per step at N = 1, 2, 3 and 4. Every parameter 
 every optimizer-state tensor (consolidated: every rank's slices gathered full) and every step's
 clipping norm must be ``torch.equal`` to one process training the same leaves with a
 replicated ``torch.optim.AdamW`` and the same clipping: ZeRO-1 changes no bit. The same across a
-``Checkpointer`` resume from 4 ranks to 3 mid-run. (A fused CPU optimizer, whose slices get
-other bits, is refused: ``test_deterministic.py``'s refusals.)
+``Checkpointer`` resume from 4 ranks to 3 mid-run, and for a short last step inside
+``join(opt)`` that leaves a rank without a leaf. (A fused CPU optimizer, whose slices get other
+bits, is refused: ``test_deterministic.py``'s refusals.)
 """
 
 from __future__ import annotations
@@ -165,4 +166,31 @@ def test_zero1_resumed_from_4_ranks_at_3_ends_with_the_same_bits(
     for rank, got in enumerate(spawn(_moved, 3, (str(tmp_path), "second"))):
         got["norms"] = first[rank]["norms"] + got["norms"]
         diff = _differences(got, replicated, state=rank == 0)
+        assert diff == [], (rank, diff)
+
+
+def _short_last_step(rank: int, world: int, sharded: bool) -> dict[str, Any]:
+    """One epoch of 54 sequences (steps of 10, 10 and 7 leaves) inside ``join(opt)``: at 4
+    ranks the last rank holds no leaf of the short step and steps its slices with the others
+    there. No clipping: a join round repeats only the step (docs/deterministic.md)."""
+    model, ddp, opt, _ = _setup(sharded)
+    sampler = GlobalBatchSampler(range(54), GLOBAL, LEAF, seed=1, deterministic=True)
+    loader = DataLoader(_data(), batch_sampler=sampler)
+    with ddp.join(opt):
+        for (x, y), last in sampler.mark_step_ends(loader):
+            with contextlib.nullcontext() if last else ddp.no_sync():
+                logits = ddp(x)
+                ddp.count_items(y.numel())
+                lm_loss(logits, y, reduction="sum").backward()
+            if last:
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+    return _result(model, opt, [])
+
+
+@pytest.mark.timeout(300)
+def test_zero1_in_a_join_with_a_short_last_step_is_the_same_bits() -> None:
+    want = spawn(_short_last_step, 1, (False,))[0]
+    for rank, got in enumerate(spawn(_short_last_step, 4, (True,))):
+        diff = _differences(got, want, state=rank == 0)
         assert diff == [], (rank, diff)
