@@ -8,10 +8,10 @@ by one formula. torch's CPU kernels run a vectorised body over most of a tensor 
 loop over its last few elements, and where the two round differently (the scalar loop
 contracting ``a + b * c`` into one fused multiply-add, the vectorised body not) an element's
 bits depend on whether it sits in the body or the tail of *its piece*, that is on N. Measured on
-torch 2.13 CPU (AVX512 and AVX2 kernels): in float32 and float64, SGD, Adam, AdamW, RMSprop,
-Adamax, NAdam, RAdam and Adagrad, single-tensor or ``foreach``, give a piece the whole tensor's
-bits; the ``fused=True`` kernels of SGD, Adam and AdamW do not, nor does SGD with momentum on
-bfloat16 parameters (its scalar tail rounds the momentum's sum another way).
+torch 2.13 CPU (AVX512 and AVX2 kernels): in float32 and float64 every optimizer of
+``buffers.ELEMENTWISE``, single-tensor or ``foreach``, gives a piece the whole tensor's bits;
+the ``fused=True`` kernels of SGD, Adam and AdamW do not, nor, on bfloat16 parameters, do SGD
+and RMSprop with momentum and single-tensor ASGD (their scalar tails round another way).
 
 So the deterministic mode checks rather than lists (:func:`piecewise_mismatch`): it steps a
 probe tensor whole and cut into pieces of every length up to ``_LONGEST`` (every alignment of a
