@@ -18,6 +18,9 @@ each rank hands the wire per step (max rank): what the exchange counts for the d
 mode, a ring all-reduce's ``2 (N-1)/N`` of the gradients for the others; on a simulated cluster
 also the bytes the busiest node's link actually sent per step (``/proc/net/dev`` in its
 namespace: every collective, headers included).
+
+With ``--zero`` the variants are ZeRO-1 (``shard_optimizer(AdamW)``, clipped every step by
+``opt.clip_grad_norm_``) in the default and in the deterministic mode, the same way.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from typing import Any
 from gradsync.bench import launch
 
 VARIANTS = ("torch DDP", "gradsync", "gradsync deterministic")
+ZERO_VARIANTS = ("gradsync ZeRO-1", "gradsync deterministic ZeRO-1")
 
 
 def _build(variant: str, cfg: Any, leaves: int) -> tuple[Any, Any]:
@@ -49,6 +53,8 @@ def _build(variant: str, cfg: Any, leaves: int) -> tuple[Any, Any]:
     else:
         fixed = leaves if "deterministic" in variant else None
         ddp = gradsync.DistributedDataParallel(model, reduction="item_mean", deterministic=fixed)
+    if "ZeRO-1" in variant:
+        return ddp, ddp.shard_optimizer(torch.optim.AdamW, lr=1e-3)
     return ddp, torch.optim.AdamW(ddp.parameters(), lr=1e-3)
 
 
@@ -92,6 +98,8 @@ def _time_steps(ddp: Any, opt: Any, cfg: Any, args: argparse.Namespace, seed: in
                 if hasattr(ddp, "count_items"):
                     ddp.count_items(cfg.block_size)
                 loss.backward()
+        if hasattr(opt, "clip_grad_norm_"):  # ZeRO-1: clipped, as jobs that shard clip
+            opt.clip_grad_norm_(1.0)
         opt.step()
         elapsed = time.perf_counter() - t0
         row = torch.tensor([elapsed, _payload(ddp) - counted, _sent_bytes() - sent])
@@ -113,10 +121,11 @@ def worker(args: argparse.Namespace) -> None:
     cfg = GPTConfig(
         vocab_size=64, block_size=64, n_layer=args.n_layer, n_head=4, n_embd=args.n_embd
     )
-    out: dict[str, dict[str, list[float]]] = {v: {} for v in VARIANTS}
+    variants = ZERO_VARIANTS if args.zero else VARIANTS
+    out: dict[str, dict[str, list[float]]] = {v: {} for v in variants}
     n_params = 0
     for r in range(args.rounds):
-        for variant in VARIANTS:
+        for variant in variants:
             ddp, opt = _build(variant, cfg, args.leaves)
             n_params = sum(p.numel() for p in ddp.parameters())
             got = _time_steps(ddp, opt, cfg, args, seed=1000 * r)
@@ -125,11 +134,28 @@ def worker(args: argparse.Namespace) -> None:
             del ddp, opt
     if rank == 0:
         row: dict[str, Any] = {"world": world, "params": n_params, "leaves": args.leaves}
-        for v in VARIANTS:
+        for v in variants:
             row[v] = {k: statistics.median(vals) for k, vals in out[v].items()}
-        row["n"] = len(out[VARIANTS[0]]["times"])
+        row["n"] = len(out[variants[0]]["times"])
         print("DET_JSON " + json.dumps(row), flush=True)
     dist.destroy_process_group()
+
+
+def zero_report(row: dict[str, Any], where: str) -> str:
+    """The ``--zero`` table: deterministic ZeRO-1 against the default mode's ZeRO-1."""
+    base = row[ZERO_VARIANTS[0]]["times"]
+    lines = [
+        f"{where}: {row['world']} ranks, GPT {row['params'] / 1e6:.2f}M parameters (fp32), "
+        f"AdamW sharded and clipped, {row['leaves']} leaves of 1 sequence per step, median of "
+        f"{row['n']} steps per variant (slowest rank)",
+        "",
+        "| variant | step (ms) | vs ZeRO-1 |",
+        "|---|---:|---:|",
+    ]
+    for v in ZERO_VARIANTS:
+        t = row[v]["times"]
+        lines.append(f"| {v} | {t * 1e3:.1f} | {t / base:.3f} |")
+    return "\n".join(lines)
 
 
 def report(row: dict[str, Any], where: str, cluster: bool) -> str:
@@ -168,12 +194,14 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     launch.add_arguments(p, rounds=3, steps=5, warmup=2, timeout_s=1500.0)
     p.add_argument("--leaves", type=int, default=16, help="leaves (sequences) per step")
+    p.add_argument("--zero", action="store_true", help="ZeRO-1 in both modes instead")
     args = p.parse_args()
     if args.worker:
         worker(args)
         return
-    row, where = launch.run_workers(__file__, args, "DET_JSON", ["--leaves", str(args.leaves)])
-    print(report(row, where, args.cluster))
+    extra = ["--leaves", str(args.leaves), *(["--zero"] if args.zero else [])]
+    row, where = launch.run_workers(__file__, args, "DET_JSON", extra)
+    print(zero_report(row, where) if args.zero else report(row, where, args.cluster))
 
 
 if __name__ == "__main__":

@@ -238,7 +238,7 @@ def _refusals(rank: int, world: int) -> dict[str, str]:
 
     attempt("compression", lambda: wrap(compression="bf16"))
     attempt("algorithm", lambda: wrap(algorithm="ring"))
-    attempt("zero", lambda: wrap().shard_optimizer(torch.optim.SGD, lr=0.1))
+    attempt("zero", lambda: wrap().shard_optimizer(torch.optim.AdamW, lr=0.1, fused=True))
     attempt("hook", lambda: wrap().register_comm_hook(None, lambda s, b: None))
     attempt("buffers", lambda: wrap(nn.BatchNorm1d(4)))
     attempt("leaves", lambda: gradsync.DistributedDataParallel(_model(), deterministic=True))
@@ -265,7 +265,8 @@ def test_what_breaks_the_promise_is_refused_on_every_rank() -> None:
     for rank, out in enumerate(said):
         assert "bf16" in out["compression"] and "rounds partial sums" in out["compression"]
         assert "algorithm='ring'" in out["algorithm"]
-        assert "shard_optimizer()" in out["zero"] and "world size" in out["zero"]
+        assert "shard_optimizer(AdamW" in out["zero"] and "fused=False" in out["zero"]
+        assert all(f"rank {r}: stepping pieces" in out["zero"] for r in range(3)), out["zero"]
         assert "register_comm_hook cannot be combined with deterministic=" in out["hook"]
         assert "broadcast_buffers=False" in out["buffers"]
         assert "positive int" in out["leaves"]

@@ -20,7 +20,24 @@ depends on N. The parameters are then the same bits at every N only if everythin
   a mean over its samples, *not* also divided by the accumulation steps, which differ between
   ranks here). No pre-division, whatever N.
 - *Anything after the reduction is computed the same way at every N*: the optimizer step on
-  replicated gradients is; a gradient norm summed over ranks' slices is not.
+  replicated gradients is; a gradient norm summed over ranks' slices is not. ZeRO-1 is, where
+  its optimizer steps a slice to the whole tensor's bits ([Note: ZeRO-1 in the deterministic
+  mode]).
+
+[Note: ZeRO-1 in the deterministic mode]
+``shard_optimizer()`` keeps the three things the same bits need. The gradient: the wrapper's
+ZeRO-1 reduces the buckets exactly as without it ([Note: sharded steps in the wrapper] in
+``sharding.py``), here by the fixed tree, and every rank holds the full sum in ``.grad``. The
+clipping norm: ``opt.clip_grad_norm_`` and torch's ``clip_grad_norm_`` read that full ``.grad``
+on every rank, parameter by parameter in one order, with no collective, so no rank's slice is
+summed apart and N never enters (a norm of per-rank partial sums would: the test that moves N
+fails when the norm is taken so). The step: each rank steps its slices, which cut parameters
+where N puts the cut, and an element gets the bits it gets in the whole tensor only if the
+optimizer's kernels compute every element by one formula; torch's fused CPU kernels do not
+([Note: a piece's step, bit for bit] in ``optim/piecewise.py``). So ``shard_optimizer()``
+steps a probe whole and in pieces with the job's optimizer and settings, on the parameters'
+dtypes and device, and refuses on every rank where the bits differ. Checkpoints reshard the
+state per parameter (``optim/state.py``), so a resume at another N loads the same bits.
 
 [Note: leaves and join]
 Ranks run different numbers of leaves per step when N does not divide ``L``, so a collective
@@ -41,7 +58,8 @@ travels together, never a sum: the parameters are the bits of a fixed plan.
 
 Refused, naming why: lossy wires (``compression=``; they round partial sums), another
 ``algorithm=`` and torch comm hooks (they choose the summation order), ``shard_optimizer()``
-(its clipping norm adds per-rank slices), a ``device_mesh`` (context- and tensor-parallel
+with an optimizer that steps a slice to other bits than the whole (above), a ``device_mesh``
+(context- and tensor-parallel
 contributions are not leaves), DTensor parameters.
 """
 
@@ -53,6 +71,9 @@ from typing import Any
 import torch
 
 from gradsync.errors import UsageError
+from gradsync.failfast.deadline import Deadline
+from gradsync.optim.buffers import check_optimizer_class
+from gradsync.optim.piecewise import piecewise_mismatch
 
 _WHY = "the deterministic mode (deterministic=) sums the leaves in its own fixed order"
 
@@ -131,10 +152,31 @@ def refuse_mesh(mesh_axes: tuple[str, ...], layouts: Sequence[object]) -> None:
         )
 
 
-def refuse_sharding() -> None:
-    """``shard_optimizer()`` in the deterministic mode: refused."""
-    raise UsageError(
-        "shard_optimizer() cannot be combined with deterministic=: clipping by the norm "
-        "of the sharded gradients adds per-rank slices, an order that depends on the "
-        "world size; use a replicated optimizer (or MasterWeights)"
-    )
+def check_sharding(
+    optimizer_class: type[torch.optim.Optimizer],
+    defaults: dict[str, Any],
+    params: Sequence[torch.Tensor],
+    deadline: Deadline,
+) -> None:
+    """``shard_optimizer(optimizer_class, **defaults)`` over ``params`` in the deterministic
+    mode: refused on every rank (one gather) where stepping slices changes the bits ([Note:
+    ZeRO-1 in the deterministic mode])."""
+    check_optimizer_class(optimizer_class)  # its own error first, not a probe's
+    mine = [
+        why
+        for dtype, device in dict.fromkeys((p.dtype, p.device) for p in params)
+        if (why := piecewise_mismatch(optimizer_class, defaults, dtype, device)) is not None
+    ]
+    what = "the deterministic mode's check of shard_optimizer()"
+    deadline.begin(what)
+    per_rank = deadline.gather_objects(mine, what)
+    lines = "\n".join(f"  rank {r}: {'; '.join(w)}" for r, w in enumerate(per_rank) if w)
+    if lines:
+        name = optimizer_class.__name__
+        raise UsageError(
+            f"shard_optimizer({name}, {defaults}) cannot be combined with deterministic=: "
+            f"each rank steps its slice of the parameters, cut where the world size puts the "
+            f"cut, and {name} with these settings does not step a slice to the bits of the "
+            f"whole tensor:\n{lines}\nOn CPU pass fused=False (torch's fused kernels round a "
+            "tensor's last elements another way), or use a replicated optimizer"
+        )

@@ -10,6 +10,7 @@ the same bits, and what it refuses, is ``deterministic.py``'s.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -19,12 +20,13 @@ from gradsync.comm import CommHook
 from gradsync.comm.tree import leaf_range
 from gradsync.comm.tree_exchange import TreeExchange
 from gradsync.ddp.buckets import Bucket
-from gradsync.ddp.deterministic import check_compute, refuse_mesh, refuse_sharding
+from gradsync.ddp.deterministic import check_compute, check_sharding, refuse_mesh
 from gradsync.ddp.leaf_buckets import LeafBucket
 from gradsync.ddp.mode import Mode
 from gradsync.ddp.options import SyncOptions
 from gradsync.ddp.plan import BucketSpec
 from gradsync.ddp.reducer import Reducer
+from gradsync.failfast.deadline import Deadline
 from gradsync.mesh.dtensors import GradLayout
 
 
@@ -114,8 +116,14 @@ class LeafMode(Mode):
         refuse_mesh(mesh_axes, layouts)
         check_compute(self.leaves, device, world_size, options.broadcast_buffers and buffers)
 
-    def refuse_sharding(self) -> None:
-        refuse_sharding()
+    def check_sharding(
+        self,
+        optimizer_class: type[torch.optim.Optimizer],
+        defaults: dict[str, Any],
+        params: Sequence[torch.Tensor],
+        deadline: Deadline,
+    ) -> None:
+        check_sharding(optimizer_class, defaults, params, deadline)
 
     def comm_hook(
         self,

@@ -9,7 +9,7 @@ sums a step's leaves in one fixed tree instead. Everything the two differ in is 
 :class:`Mode`, which the wrapper's state holds as it holds a comm hook:
 
 - what is refused at construction (:meth:`Mode.check`) and by ``shard_optimizer()``
-  (:meth:`Mode.refuse_sharding`);
+  (:meth:`Mode.check_sharding`);
 - how the buckets travel (:meth:`Mode.comm_hook`);
 - the reducer's class (:attr:`Mode.reducer_class`): the deterministic mode's overrides the few
   methods of :class:`~gradsync.ddp.reducer.Reducer` where a leaf differs from a micro-batch;
@@ -22,6 +22,7 @@ So the default path reads without the mode, and no default step calls into it.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -31,6 +32,7 @@ from gradsync.comm import CommHook
 from gradsync.comm.formats import make_comm_hook
 from gradsync.ddp.options import SyncOptions
 from gradsync.ddp.reducer import Reducer
+from gradsync.failfast.deadline import Deadline
 from gradsync.mesh.dtensors import GradLayout
 
 
@@ -54,8 +56,16 @@ class Mode:
         """Refuse, at construction, what this mode cannot keep its promise with (``buffers``:
         the module has buffers the forwards broadcast)."""
 
-    def refuse_sharding(self) -> None:
-        """Refuse ``shard_optimizer()`` if this mode cannot keep its promise with it."""
+    def check_sharding(
+        self,
+        optimizer_class: type[torch.optim.Optimizer],
+        defaults: dict[str, Any],
+        params: Sequence[torch.Tensor],
+        deadline: Deadline,
+    ) -> None:
+        """Refuse ``shard_optimizer(optimizer_class, **defaults)`` over ``params`` on every
+        rank if this mode cannot keep its promise with it (it may gather under ``deadline``:
+        every rank calls it)."""
 
     def comm_hook(
         self,

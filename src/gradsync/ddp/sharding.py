@@ -160,7 +160,9 @@ class ShardedSteps:
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip ``.grad`` by its norm as ``torch.nn.utils.clip_grad_norm_`` does: every rank
-        holds the same reduced gradients, so that norm is the global one (no collective)."""
+        holds the same reduced gradients, so that norm is the global one (no collective), and
+        summed in the parameters' order whatever N ([Note: ZeRO-1 in the deterministic mode]
+        in ``deterministic.py``)."""
         grads = [
             p.grad for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None
         ]

@@ -159,11 +159,11 @@ class DDPState:
         self, optimizer_class: type[torch.optim.Optimizer], defaults: dict[str, Any]
     ) -> ShardedOptimizer:
         """ZeRO-1 over the reducer's buckets ([Note: sharded steps in the wrapper])."""
-        self.mode.refuse_sharding()
         sharding.refuse_unsupported(self.options, self.layouts, self.torch_hook is not None)
         if self.lifecycle is not Lifecycle.CONFIGURABLE or self.sharded is not None:
             raise ProtocolError("shard_optimizer() must be called once, before the first forward")
         reducer = self.reducer  # one for the wrapper's life: its step count is the steps'
+        self.mode.check_sharding(optimizer_class, defaults, reducer.params, self.deadline)
         named = list(zip(reducer.names, reducer.params, strict=True))
         changes, deadline = reducer.watch.changes(), self.deadline
         steps = sharding.shard(

@@ -2,6 +2,7 @@
 
 layout.py    where each rank's slice of every flat bucket lies (pure planning)
 buffers.py   the flat parameter buffer of a bucket; which optimizer classes are elementwise
+piecewise.py whether an optimizer steps a piece of a tensor to the whole tensor's bits
 sharded.py   ShardedOptimizer: the torch.optim.Optimizer users build
 groups.py    the param groups and explicit buckets it is built from
 agree.py     the check, before a step, that every rank steps alike
