@@ -44,12 +44,16 @@ def _data() -> TensorDataset:
     return TensorDataset(tokens[:, :-1], tokens[:, 1:])
 
 
-def _setup(sharded: bool) -> tuple[nn.Module, Any, Any, GlobalBatchSampler]:
+def _setup(sharded: bool, **kwargs: Any) -> tuple[nn.Module, Any, Any, GlobalBatchSampler]:
     sampler = GlobalBatchSampler(range(SEQS), GLOBAL, LEAF, seed=1, deterministic=True)
     torch.manual_seed(0)
     model = GPT(CFG)
     ddp = gradsync.DistributedDataParallel(
-        model, reduction="item_mean", deterministic=sampler.leaves_per_step, bucket_cap_mb=CAP_MB
+        model,
+        reduction="item_mean",
+        deterministic=sampler.leaves_per_step,
+        bucket_cap_mb=CAP_MB,
+        **kwargs,
     )
     if sharded:
         opt: Any = ddp.shard_optimizer(torch.optim.AdamW, **ADAMW)
@@ -167,6 +171,36 @@ def test_zero1_resumed_from_4_ranks_at_3_ends_with_the_same_bits(
         got["norms"] = first[rank]["norms"] + got["norms"]
         diff = _differences(got, replicated, state=rank == 0)
         assert diff == [], (rank, diff)
+
+
+def _clipped_short_step(rank: int, world: int) -> str:
+    """The short step of ``_short_last_step``, clipped: rank 3 has no leaf there and would step
+    its slices unclipped (in either mode)."""
+    _, ddp, opt, _ = _setup(True, timeout=5.0)
+    sampler = GlobalBatchSampler(range(54), GLOBAL, LEAF, seed=1, deterministic=True)
+    loader = DataLoader(_data(), batch_sampler=sampler)
+    try:
+        with ddp.join(opt):
+            for (x, y), last in sampler.mark_step_ends(loader):
+                with contextlib.nullcontext() if last else ddp.no_sync():
+                    logits = ddp(x)
+                    ddp.count_items(y.numel())
+                    lm_loss(logits, y, reduction="sum").backward()
+                if last:
+                    opt.clip_grad_norm_(MAX_NORM)
+                    opt.step()
+                    opt.zero_grad(set_to_none=True)
+    except gradsync.GradsyncError as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "trained on"
+
+
+@pytest.mark.timeout(120)
+def test_a_clip_in_a_join_step_where_a_rank_ran_out_is_refused_not_silent() -> None:
+    said = spawn(_clipped_short_step, 4, timeout_s=90)
+    for rank in range(3):
+        assert said[rank].startswith("UsageError") and "1 rank(s) ran out of data" in said[rank]
+    assert said[3].startswith("CollectiveTimeoutError") and "ran out of data" in said[3], said[3]
 
 
 def _short_last_step(rank: int, world: int, sharded: bool) -> dict[str, Any]:

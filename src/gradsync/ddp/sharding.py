@@ -46,7 +46,7 @@ optimizer state, the point of ZeRO-1, is sharded either way.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -129,6 +129,9 @@ class ShardedSteps:
         self.gather = _Gather(deadline.group)
         self._in_flight: list[Any] = []  # all-gathers of a step that raised before its wait
         self._step = 0
+        # Ranks out of data inside ``model.join(optimizer)`` (the wrapper's join protocol sets
+        # it): they step their slices without the active ranks' clip.
+        self.waiting: Callable[[], int] = lambda: 0
         optimizer.attach(self)
 
     def reductions(self) -> int:
@@ -163,6 +166,17 @@ class ShardedSteps:
         holds the same reduced gradients, so that norm is the global one (no collective), and
         summed in the parameters' order whatever N ([Note: ZeRO-1 in the deterministic mode]
         in ``deterministic.py``)."""
+        waiting = self.waiting()
+        if waiting:
+            exc = UsageError(
+                f"clip_grad_norm_ of a sharded optimizer inside join(), in a step where "
+                f"{waiting} rank(s) ran out of data: those step their slices of the same "
+                "gradients unclipped, so every rank would end with parameters no single "
+                "process computes. Clip only the steps every rank runs (skip the short last "
+                "one), or pass drop_last=True to the sampler"
+            )
+            self.deadline.record_error(exc)  # the waiting ranks' deadline names it
+            raise exc
         grads = [
             p.grad for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None
         ]

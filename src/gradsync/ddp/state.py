@@ -170,6 +170,8 @@ class DDPState:
             reducer.specs, named, changes, deadline, optimizer_class, defaults, reducer
         )
         reducer.watch.count_with(steps.updates)  # each rank steps a different number of slices
+        join = self.join
+        steps.waiting = lambda: join.ran_out if join.stepping else 0
         self.sharded = steps
         return steps.optimizer
 
