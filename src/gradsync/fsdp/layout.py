@@ -19,7 +19,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from gradsync.errors import UsageError
+from gradsync.errors import ModelMismatchError, UsageError
+from gradsync.failfast.deadline import Deadline
 
 
 def fsdp_modules(module: nn.Module) -> list[tuple[str, FSDPModule]]:
@@ -104,6 +105,50 @@ def describe(modules: list[tuple[str, FSDPModule]]) -> list[tuple[str, tuple[int
             if p.requires_grad:
                 rows.append((f"{name}.{pname}" if name else pname, tuple(p.shape), str(p.dtype)))
     return rows
+
+
+def check_same_everywhere(
+    across: Deadline, shard: Deadline, settings: dict[str, str], rows: list
+) -> None:
+    """Every data-parallel rank holds the same settings and parameters, else every one of
+    them raises the same :class:`ModelMismatchError`, naming a rank that differs.
+
+    Two gathers cover the grid: each rank gathers its group across (gradsync's ranks), then
+    gathers those over its shard group, so every rank ends with every rank's entry (a rank
+    that compared only with its two neighbours could see nothing wrong while another raised,
+    and wait for it until the deadline)."""
+    me = dist.get_rank()
+    row_of_group = across.gather_objects({me: (settings, rows)}, "replicate_gradients: check")
+    mine = {r: entry for part in row_of_group for r, entry in part.items()}
+    every = {
+        r: e
+        for part in shard.gather_objects(mine, "replicate_gradients: check")
+        for r, e in part.items()
+    }
+    first = min(every)
+    ref_settings, ref_rows = every[first]
+    for r in sorted(every):
+        their_settings, their_rows = every[r]
+        for key, value in ref_settings.items():
+            if their_settings.get(key) != value:
+                raise ModelMismatchError(
+                    f"replicate_gradients setting {key!r} differs across ranks: rank {first} "
+                    f"has {value!r}, rank {r} has {their_settings.get(key)!r}"
+                )
+        if their_rows != ref_rows:
+            a, b = _first_difference(ref_rows, their_rows)
+            raise ModelMismatchError(
+                f"ranks hold different models: rank {first} has {a}, rank {r} has {b}"
+            )
+
+
+def _first_difference(a: list, b: list) -> tuple[object, object]:
+    """The first pair of rows where ``a`` and ``b`` differ (``None`` past the shorter's end)."""
+    for i in range(max(len(a), len(b))):
+        x, y = (a[i] if i < len(a) else None), (b[i] if i < len(b) else None)
+        if x != y:
+            return x, y
+    return None, None
 
 
 def grads_become_views(params: Sequence[torch.Tensor], output: torch.Tensor) -> bool:

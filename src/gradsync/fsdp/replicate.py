@@ -50,7 +50,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from gradsync.ddp.reduction import Reduction
-from gradsync.errors import ModelMismatchError, ProtocolError, UsageError
+from gradsync.errors import CollectiveTimeoutError, ProtocolError, UsageError
 from gradsync.failfast.deadline import Deadline, Handle, as_timedelta
 from gradsync.fsdp import layout
 from gradsync.mesh.axes import data_parallel_group
@@ -80,15 +80,6 @@ def replicate_gradients(
     return ReplicatedGradients(module, mesh, reduction, as_timedelta(timeout))
 
 
-def _first_difference(a: list, b: list) -> tuple[object, object]:
-    """The first pair of rows where ``a`` and ``b`` differ (``None`` past the shorter's end)."""
-    for i in range(max(len(a), len(b))):
-        x, y = (a[i] if i < len(a) else None), (b[i] if i < len(b) else None)
-        if x != y:
-            return x, y
-    return None, None
-
-
 class ReplicatedGradients:
     """The synchronisation :func:`replicate_gradients` installed on one module."""
 
@@ -110,7 +101,10 @@ class ReplicatedGradients:
         self.shard_deadline = Deadline.for_group(shard.get_group(), timeout, f"{name} (shard)")
         self.process_group = group
         self.divisor = float(shard.size() * dist.get_world_size(group))
-        self._check_same_everywhere(layout.describe(modules), reduction)
+        settings = {"reduction": reduction}
+        layout.check_same_everywhere(
+            self.deadline, self.shard_deadline, settings, layout.describe(modules)
+        )
         self.steps = 0  # synchronised backwards begun
         self.in_backward = False
         self.pending: list[tuple[Handle, torch.Tensor]] = []
@@ -122,26 +116,6 @@ class ReplicatedGradients:
             m.set_force_sum_reduction_for_comms(True)  # see [Note: scaling]
             m.set_gradient_divide_factor(1.0)
             m.set_all_reduce_hook(partial(self._on_reduce_scattered, params))
-
-    def _check_same_everywhere(self, rows: list, reduction: str) -> None:
-        """Every rank of both axes (so every data-parallel rank) holds the same parameters and
-        settings: one gather over each private group at construction."""
-        mine = (reduction, rows)
-        for deadline, axis in ((self.deadline, "replicate"), (self.shard_deadline, "shard")):
-            every = deadline.gather_objects(mine, "replicate_gradients construction")
-            for r, (their_reduction, their_rows) in enumerate(every):
-                if their_reduction != reduction:
-                    raise ModelMismatchError(
-                        f"replicate_gradients setting 'reduction' differs across ranks: "
-                        f"{axis} rank {deadline.rank} has {reduction!r}, {axis} rank {r} has "
-                        f"{their_reduction!r}"
-                    )
-                if their_rows != rows:
-                    our_row, their_row = _first_difference(rows, their_rows)
-                    raise ModelMismatchError(
-                        f"ranks hold different models: {axis} rank {deadline.rank} has "
-                        f"{our_row}, {axis} rank {r} has {their_row}"
-                    )
 
     def count_items(self, num_items: float | torch.Tensor) -> None:
         """Declare that the current micro-batch's (sum-reduced) loss covers ``num_items``
@@ -165,7 +139,7 @@ class ReplicatedGradients:
         if layout.grads_become_views(params, output):  # [Note: overlap]
             self.pending.append((work, output))
             return
-        self.deadline.wait(work, "a gradient all-reduce")
+        self._wait(self.deadline, work, "a gradient all-reduce")
         self._divide([output])
 
     def _begin(self) -> None:
@@ -190,13 +164,25 @@ class ReplicatedGradients:
         """End of backward: wait for every all-reduce still in flight, then divide."""
         try:
             for work, _ in self.pending:
-                self.deadline.wait(work, "a gradient all-reduce")
+                self._wait(self.deadline, work, "a gradient all-reduce")
             self._divide([output for _, output in self.pending])
         finally:
             self.pending = []
             self.in_backward = False
             self.total_items = None
             self.reduction.reset()
+
+    def _wait(self, deadline: Deadline, work: Handle | None, what: str) -> None:
+        """``deadline.wait``, its error saying which global rank each rank it names is: the
+        deadline counts ranks within its group, which here is one axis of a larger mesh."""
+        assert work is not None
+        try:
+            deadline.wait(work, what)
+        except CollectiveTimeoutError as exc:
+            ranks = dist.get_process_group_ranks(deadline.group)
+            names = ", ".join(f"{i} is global rank {g}" for i, g in enumerate(ranks))
+            axis = "the shard axis" if deadline is self.shard_deadline else "gradsync's axis"
+            raise CollectiveTimeoutError(f"{exc} (Ranks counted along {axis}: {names}.)") from exc
 
     def _divide(self, outputs: list[torch.Tensor]) -> None:
         """Divide the summed gradients by what the reduction means ([Note: scaling])."""
@@ -212,8 +198,10 @@ class ReplicatedGradients:
         (started at the step's first group), then over ``mesh``'s ranks."""
         if self.total_items is None:
             assert self.item_exchange is not None and self.items is not None
-            self.shard_deadline.wait(self.item_exchange, "the item count")
-            self.deadline.all_reduce(self.items, "the item count")
+            self._wait(self.shard_deadline, self.item_exchange, "the item count")
+            self.deadline.check_usable()
+            work = dist.all_reduce(self.items, group=self.deadline.group, async_op=True)
+            self._wait(self.deadline, work, "the item count")
             if self.items[1] > 0:
                 self.total_items = None
                 raise UsageError(
