@@ -106,6 +106,7 @@ LAYERS = [
     {"comm"},
     {"optim"},
     {"ddp"},
+    {"fsdp"},  # gradsync across torch's fully_shard: FSDP2's hook, the reduction of ddp/
     {"checkpoint", "data"},
     {"recovery"},  # in-process recovery: the wrapper, the sampler and the store, together
     {"testing"},
