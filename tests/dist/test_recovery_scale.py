@@ -19,9 +19,9 @@ import sys
 import pytest
 import torch
 
-from gradsync.recovery.heartbeat import STALE_S
+from gradsync.recovery.heartbeat import STALE_S, WATCH_S
 from gradsync.recovery.membership import GRACE_S
-from gradsync.testing.lose_a_rank import lose_a_rank, reference
+from gradsync.testing.lose_a_rank import beats_stand_still, lose_a_rank, reference
 from gradsync.testing.spawn import RankFailure, spawn
 
 STEPS, AT_STEP = 5, 2
@@ -111,3 +111,18 @@ def test_live_ranks_slowed_by_load_are_never_left_out() -> None:
             b.kill()
             b.wait()
     _check_equal_to_one_process(survivors, 4)
+
+
+@pytest.mark.timeout(120)
+def test_a_live_rank_whose_beats_stand_still_a_moment_sets_off_no_regroup() -> None:
+    """Rank 1's beating thread cannot run for longer than the roll call's 0.3 s (as when a
+    loaded machine starves it), inside backward, while the others wait for it in the
+    all-reduce: nobody is lost, so the watchers announce nothing and the job runs on as it
+    was, equal to one process."""
+    stand_still = (STALE_S + WATCH_S) / 2
+    results = spawn(beats_stand_still, 3, (1, stand_still, STEPS), fresh=True, timeout_s=90)
+    ref = reference(3, STEPS)
+    for r in results:
+        assert r["events"] == [], r["events"]
+        for name, p in r["params"].items():
+            torch.testing.assert_close(p, ref[name], rtol=0, atol=1e-12, msg=name)

@@ -158,3 +158,40 @@ def _store_ops(ops: list[Op], event: dict[str, Any], started: float) -> dict[str
         "gradsync_ops": {k: _summary(gradsyncs(ops_between(ops, *s))) for k, s in spans.items()},
         "background_ops_per_s": len(beats) / (event["noticed"] - started),
     }
+
+
+def beats_stand_still(
+    rank: int, world: int, who: int, seconds: float, steps: int
+) -> dict[str, Any]:
+    """Train ``steps`` steps under ``Recovery``, no rank lost; in step 1 the beating thread of
+    rank ``who`` cannot run for ``seconds`` (its lock held, as a starved thread would wait),
+    inside backward, while the others wait for its gradients."""
+    store = tcp_world(rank, world)
+    data = _data(SAMPLES_PER_RANK * world, steps)
+    ddp = DistributedDataParallel(_model(), reduction="item_mean", bucket_cap_mb=0)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    recovery = Recovery(ddp, opt, GlobalBatchSampler(data, SAMPLES_PER_RANK * world))
+    armed = [False]
+
+    def stand_still(grad: torch.Tensor) -> torch.Tensor:
+        if armed[0]:
+            armed[0] = False
+            with recovery.heartbeat._lock:
+                time.sleep(seconds)
+        return grad
+
+    ddp.module[0].weight.register_hook(stand_still)  # its gradient comes last in backward
+    loader = torch.utils.data.DataLoader(data)
+    for step in recovery.steps(steps):
+        with step:
+            armed[0] = rank == who and step.number == 1
+            for x, y in step.micro_batches(loader):
+                loss = ((ddp(x) - y) ** 2).sum()
+                ddp.count_items(len(x))
+                loss.backward()
+            opt.step()
+            opt.zero_grad()
+    dist.barrier()  # rank 0's process holds the store: it ends last
+    del store
+    params = {n: p.detach().clone() for n, p in ddp.module.named_parameters()}
+    return {"events": recovery.events, "params": params}
