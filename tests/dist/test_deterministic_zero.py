@@ -173,23 +173,31 @@ def test_zero1_resumed_from_4_ranks_at_3_ends_with_the_same_bits(
         assert diff == [], (rank, diff)
 
 
-def _clipped_short_step(rank: int, world: int) -> str:
-    """The short step of ``_short_last_step``, clipped: rank 3 has no leaf there and would step
-    its slices unclipped (in either mode)."""
-    _, ddp, opt, _ = _setup(True, timeout=5.0)
+def _join_epoch(ddp: Any, opt: Any, clip: bool) -> None:
+    """One epoch of 54 sequences (steps of 10, 10 and 7 leaves) inside ``join(opt)``: at 4
+    ranks the last rank holds no leaf of the short step and steps its slices with the others
+    there; ``clip``: every step clipped, the short one too."""
     sampler = GlobalBatchSampler(range(54), GLOBAL, LEAF, seed=1, deterministic=True)
     loader = DataLoader(_data(), batch_sampler=sampler)
-    try:
-        with ddp.join(opt):
-            for (x, y), last in sampler.mark_step_ends(loader):
-                with contextlib.nullcontext() if last else ddp.no_sync():
-                    logits = ddp(x)
-                    ddp.count_items(y.numel())
-                    lm_loss(logits, y, reduction="sum").backward()
-                if last:
+    with ddp.join(opt):
+        for (x, y), last in sampler.mark_step_ends(loader):
+            with contextlib.nullcontext() if last else ddp.no_sync():
+                logits = ddp(x)
+                ddp.count_items(y.numel())
+                lm_loss(logits, y, reduction="sum").backward()
+            if last:
+                if clip:
                     opt.clip_grad_norm_(MAX_NORM)
-                    opt.step()
-                    opt.zero_grad(set_to_none=True)
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+
+
+def _clipped_short_step(rank: int, world: int) -> str:
+    """The short step, clipped: rank 3 has no leaf there and would step its slices unclipped
+    (in either mode)."""
+    _, ddp, opt, _ = _setup(True, timeout=5.0)
+    try:
+        _join_epoch(ddp, opt, clip=True)
     except gradsync.GradsyncError as exc:
         return f"{type(exc).__name__}: {exc}"
     return "trained on"
@@ -204,21 +212,9 @@ def test_a_clip_in_a_join_step_where_a_rank_ran_out_is_refused_not_silent() -> N
 
 
 def _short_last_step(rank: int, world: int, sharded: bool) -> dict[str, Any]:
-    """One epoch of 54 sequences (steps of 10, 10 and 7 leaves) inside ``join(opt)``: at 4
-    ranks the last rank holds no leaf of the short step and steps its slices with the others
-    there. No clipping: a join round repeats only the step (docs/deterministic.md)."""
+    """The join's epoch, unclipped: a join round repeats only the step (docs/deterministic.md)."""
     model, ddp, opt, _ = _setup(sharded)
-    sampler = GlobalBatchSampler(range(54), GLOBAL, LEAF, seed=1, deterministic=True)
-    loader = DataLoader(_data(), batch_sampler=sampler)
-    with ddp.join(opt):
-        for (x, y), last in sampler.mark_step_ends(loader):
-            with contextlib.nullcontext() if last else ddp.no_sync():
-                logits = ddp(x)
-                ddp.count_items(y.numel())
-                lm_loss(logits, y, reduction="sum").backward()
-            if last:
-                opt.step()
-                opt.zero_grad(set_to_none=True)
+    _join_epoch(ddp, opt, clip=False)
     return _result(model, opt, [])
 
 
