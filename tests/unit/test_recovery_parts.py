@@ -207,11 +207,15 @@ def test_a_file_store_has_no_address_to_join_at() -> None:
 
 
 @pytest.mark.usefixtures("one_rank")
-def test_recovery_refuses_zero1_naming_the_lost_slice() -> None:
+def test_recovery_covers_zero1_through_the_wrapper_only_and_no_replacement_joins_it() -> None:
     model = gradsync.DistributedDataParallel(nn.Linear(2, 2), reduction="item_mean")
+    alone = gradsync.ShardedOptimizer(model.parameters(), torch.optim.SGD, lr=0.1)
+    with pytest.raises(gradsync.UsageError, match=r"through model.shard_optimizer\(...\) only"):
+        Recovery(model, alone, GlobalBatchSampler(range(8), 4))
     opt = model.shard_optimizer(torch.optim.SGD, lr=0.1)
-    with pytest.raises(gradsync.UsageError, match="slice of the optimizer state"):
-        Recovery(model, opt, GlobalBatchSampler(range(8), 4))
+    with pytest.raises(gradsync.UsageError, match="a replacement cannot join a ZeRO-1 job"):
+        Recovery(model, opt, GlobalBatchSampler(range(8), 4), join="127.0.0.1:1")
+    Recovery(model, opt, GlobalBatchSampler(range(8), 4))  # one rank: nothing to mirror
 
 
 class _Collective:

@@ -153,13 +153,38 @@ class ShardedSteps:
             if reductions == self._stepped_after:  # before any collective: see step_again
                 raise step_again(d.rank, self._step)
             self.optimizer.check_step(self.peers)
-            self._in_flight = self.optimizer.step_and_gather(self.gather.start)
+            mirror = self.optimizer.mirror
+            start = self.gather.start if mirror is None else mirror.around(self.gather.start)
+            self._in_flight = self.optimizer.step_and_gather(start)
             self._step += 1
             self._stepped_after = reductions
+            if mirror is not None:
+                mirror.stepped()  # every slice this rank holds has stepped (gradsync.recovery)
             self.wait_all()
+            if mirror is not None:
+                mirror.compare()
         except GradsyncError as exc:
             d.record_error(exc)  # so that a peer's timeout can name it
             raise
+
+    def regroup(self, deadline: Deadline, peers: agree.Peers) -> None:
+        """Go on over ``deadline``'s group (``gradsync.recovery``), once the optimizer's slices
+        were cut again for its size (``recovery/recut.py``)."""
+        if self.optimizer.world_size != deadline.world_size:
+            raise UsageError(
+                f"the sharded optimizer's slices are cut for {self.optimizer.world_size} ranks, "
+                f"the new group has {deadline.world_size}: ZeRO-1 goes on over a new group only "
+                "through Recovery's re-cut of its state"
+            )
+        assert deadline.group is not None
+        self.deadline, self.peers, self._stepped_after = deadline, peers, None
+        self.optimizer.process_group = deadline.group
+        self.gather = _Gather(deadline.group)
+
+    def count_step(self) -> None:
+        """A step of this rank's slices taken outside :meth:`step` (a survivor that had not
+        stepped takes a step's result: ``recovery/recut.py``)."""
+        self._step += 1
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip ``.grad`` by its norm as ``torch.nn.utils.clip_grad_norm_`` does: every rank

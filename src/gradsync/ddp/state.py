@@ -31,6 +31,7 @@ from gradsync.ddp.join import JoinProtocol
 from gradsync.ddp.leaves import mode_of
 from gradsync.ddp.lifecycle import Lifecycle
 from gradsync.ddp.options import SyncOptions
+from gradsync.ddp.owners import deadline_peers
 from gradsync.ddp.plan import BucketSpec, cap_to_bytes, plan_buckets
 from gradsync.ddp.reducer import ReducerPlan
 from gradsync.errors import ProtocolError
@@ -93,6 +94,10 @@ class DDPState:
         checked = dataclasses.replace(self.options, init_sync=False, init_sync_buffers=False)
         plan, watch = self._plan(self.options if from_rank_0 else checked, ())
         self.reducer.regroup(watch, plan, deadline, self.timeline, layouts)
+        if self.sharded is not None:  # its slices already cut for the new group
+            names = dict(zip(map(id, self.reducer.params), self.reducer.names, strict=True))
+            self.sharded.regroup(deadline, deadline_peers(deadline, names))
+            watch.count_with(self.sharded.updates)
         self.join = JoinProtocol(deadline, self.mode.handshake_each_forward)
         self.forward = ForwardProtocol(self.options, self.forward.inputs_to)
 

@@ -33,6 +33,7 @@ from gradsync.ddp.plan import BucketSpec
 from gradsync.ddp.reducer import Reducer
 from gradsync.ddp.replan.autoplan import BucketPlan
 from gradsync.ddp.replan.autotune import AutoBuckets
+from gradsync.ddp.sharding import ShardedSteps
 from gradsync.ddp.state import DDPState
 from gradsync.errors import UsageError
 from gradsync.failfast.deadline import Deadline, as_timedelta, new_wrapper_deadline
@@ -154,8 +155,8 @@ class DistributedDataParallel(TorchSurface, TorchDDP):  # type: ignore[override,
         between steps: new buckets, hooks and private group; the replicas are checked equal
         (``ReplicaMismatchError``), or with ``from_rank_0`` take rank 0's, as at construction."""
         state = self._state
-        if self.device_mesh is not None or state.sharded is not None or state.torch_hook:
-            raise UsageError("regroup() covers no mesh, ZeRO-1 or comm hook (per-rank state)")
+        if self.device_mesh is not None or state.torch_hook:
+            raise UsageError("regroup() covers no mesh or comm hook (per-rank state)")
         self.process_group = dist.group.WORLD  # type: ignore[assignment]
         where, name = torch_args.module_device(self.module), "the regrouped DDP"
         deadline = Deadline.for_group(self.process_group, self.options.timeout, name, where)
@@ -212,6 +213,11 @@ class DistributedDataParallel(TorchSurface, TorchDDP):  # type: ignore[override,
     def bucket_tuner(self) -> AutoBuckets | None:
         """With ``bucket_cap_mb="auto"``, what chooses the plan (``settled`` once it is final)."""
         return self._state.forward.autotune
+
+    @property
+    def sharded_steps(self) -> ShardedSteps | None:
+        """The wrapper's side of the optimizer :meth:`shard_optimizer` built (``None``: none)."""
+        return self._state.sharded
 
     # -- a forward ---------------------------------------------------------------------------
     @torch.compiler.disable(recursive=False)  # see _prepare_forward

@@ -39,6 +39,7 @@ from gradsync.optim import agree, clip, state
 from gradsync.optim.buffers import FlatBucket, check_optimizer_class
 from gradsync.optim.groups import as_param_groups, explicit_buckets, first_difference
 from gradsync.optim.layout import DEFAULT_ALIGN, group_by_dtype, plan_shards
+from gradsync.optim.mirror import Mirror
 
 
 class AttachedShards(Protocol):
@@ -100,6 +101,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         # Set when DistributedDataParallel.shard_optimizer built this optimizer: the step runs
         # under the wrapper's deadline, on its process group.
         self._attached: AttachedShards | None = None
+        self.mirror: Mirror | None = None  # a buddy's copy of the next rank's slices (Recovery)
         super().__init__(as_param_groups(params), defaults)
         self.optim: torch.optim.Optimizer = optimizer_class([{"params": []}], **defaults)
         self.optim.param_groups.clear()
@@ -215,6 +217,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 self._check_frozen_have_no_grad()
             for b in self.buckets:
                 b.check_params("ShardedOptimizer.step")
+            if self.mirror is not None:
+                self.mirror.check()
         except GradsyncError as exc:
             refused = exc
         alone = self.world_size == 1
@@ -363,6 +367,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         had_state = state.load_full(self, state_dict)
         self._steps = max(self._steps, 1) if had_state else 0
         self._placeholder_state = False
+        if self.mirror is not None:
+            self.mirror.sync(self.process_group)
 
     def sharded_state_dict(self) -> dict[str, Any]:
         """This rank's state for ``torch.distributed.checkpoint`` save and load (see
@@ -384,6 +390,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """Finish a DCP load into :meth:`sharded_state_dict`'s dict (hyper-parameters)."""
         self._steps = state.load_sharded(self, state_dict)
         self._placeholder_state = False
+        if self.mirror is not None:  # the buddy mirrors the loaded state (a collective)
+            self.mirror.sync(self.process_group)
 
     @property
     def steps(self) -> int:

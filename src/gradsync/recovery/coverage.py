@@ -12,17 +12,15 @@ from gradsync.errors import UsageError
 from gradsync.optim.sharded import ShardedOptimizer
 
 
-def check_covered(model: Any, optimizer: Any, sampler: Any) -> None:
-    """Raise :class:`UsageError` unless a lost rank can be recovered from with these."""
+def check_covered(model: Any, optimizer: Any, sampler: Any, join: str | None = None) -> None:
+    """Raise :class:`UsageError` unless a lost rank can be recovered from with these (``join``:
+    the store this process joins at as a replacement)."""
     if not isinstance(model, DistributedDataParallel):
         raise UsageError("Recovery needs a gradsync.DistributedDataParallel model")
     if model.device_mesh is not None or model.process_group not in (None, dist.group.WORLD):
         raise UsageError("Recovery covers a wrapper over the default process group only")
     if isinstance(optimizer, ShardedOptimizer):
-        raise UsageError(
-            "Recovery does not cover ZeRO-1: the lost rank's slice of the optimizer state "
-            "exists nowhere else; use a plain optimizer, or the restart path (Checkpointer)"
-        )
+        _check_sharded(model, optimizer, join)
     if model.compression is not None:
         raise UsageError("Recovery redoes steps exactly: it needs compression=None")
     if model.reduction == "mean":
@@ -32,3 +30,21 @@ def check_covered(model: Any, optimizer: Any, sampler: Any) -> None:
         )
     if not isinstance(sampler, GlobalBatchSampler):
         raise UsageError("Recovery needs a gradsync.data.GlobalBatchSampler")
+
+
+def _check_sharded(model: DistributedDataParallel, optimizer: ShardedOptimizer, join: Any) -> None:
+    """ZeRO-1 is covered through the wrapper's sharded optimizer, whose every step runs inside
+    its agreed checks ([Note: ZeRO-1 under Recovery] in ``zero.py``)."""
+    sharded = model.sharded_steps
+    if sharded is None or sharded.optimizer is not optimizer:
+        raise UsageError(
+            "Recovery covers ZeRO-1 through model.shard_optimizer(...) only: a ShardedOptimizer "
+            "built on its own is stepped outside the wrapper, where no mirror of its slices "
+            "is kept"
+        )
+    if join:
+        raise UsageError(
+            "a replacement cannot join a ZeRO-1 job yet (GRADSYNC_JOIN / join=): its slices "
+            "would have to be cut again for one rank more; restart the job from its newest "
+            "checkpoint instead"
+        )

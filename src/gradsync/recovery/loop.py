@@ -62,7 +62,8 @@ from gradsync.recovery.membership import (
 )
 from gradsync.recovery.notice import lost_a_peer, regroup_failed
 from gradsync.recovery.regroup import close_groups, job_store, regroup
-from gradsync.recovery.rollback import OptimizerSteps, StepStart
+from gradsync.recovery.rollback import StepStart
+from gradsync.recovery.zero import steps_for
 
 ADMIT_EVERY = 10  # steps between two looks for an offer to replacements (heal.py)
 
@@ -117,8 +118,8 @@ class Recovery:
 
     Args:
         model: a :class:`gradsync.DistributedDataParallel` over the default process group.
-        optimizer: the optimizer stepped once per step (not a ZeRO-1 ``ShardedOptimizer``: the
-            lost rank's slice of its state exists nowhere else).
+        optimizer: the optimizer stepped once per step; ZeRO-1's from ``model.shard_optimizer``
+            is covered: each rank mirrors the next one's slices ([Note: ZeRO-1 under Recovery]).
         sampler: the :class:`GlobalBatchSampler` that defines every step's global batch.
         lr_scheduler: optional; rolled back with the step.
         checkpointer: optional; a :class:`~gradsync.checkpoint.Checkpointer` to carry over to
@@ -147,17 +148,16 @@ class Recovery:
         join: str | None = None,
         join_timeout: float = 3600.0,
     ) -> None:
-        check_covered(model, optimizer, sampler)
+        join = join if join is not None else joining()
+        check_covered(model, optimizer, sampler, join)
         self.model, self.optimizer, self.sampler = model, optimizer, sampler
         self.lr_scheduler, self.checkpointer = lr_scheduler, checkpointer
         self.window, self.min_world_size = window, min_world_size
         # steps completed, over all epochs (a sampler loaded from a checkpoint says how many)
         self.completed = sampler.epoch * sampler.steps_per_epoch + sampler.step
-        self.optimizer_steps = OptimizerSteps(optimizer)
-        # The hooks on the user's optimizer go with this object (they serve it alone).
-        weakref.finalize(self, self.optimizer_steps.remove)
+        self.optimizer_steps = steps_for(model, optimizer)  # ZeRO-1: its mirrors (zero.py)
+        weakref.finalize(self, self.optimizer_steps.remove)  # its hooks serve this object alone
         self._starts: dict[int, StepStart] = {}
-        join = join if join is not None else joining()
         # kept: it outlives every group; a replacement joins with GRADSYNC_JOIN=store_address
         self.store, self.store_address = job_store(join)
         # beats from now on; watches the next member inside steps ([Note: heartbeats])
