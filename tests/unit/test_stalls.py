@@ -86,7 +86,7 @@ def test_a_stall_within_the_jobs_noise_is_not_named() -> None:
 
 def test_one_late_step_is_not_a_stall() -> None:
     # A rank of an oversubscribed machine loses its core for a step now and then: once in a
-    # window is not named, however late; twice is.
+    # window is not named, however late; twice, apart, is.
     window = _periodic(stall=0.0)
     recs = list(window[3][1])
     recs[2] = _step([STEP, STEP, STEP + 300.0], [0.0, 0.0, 300.0], 1.0)[2]
@@ -94,6 +94,12 @@ def test_one_late_step_is_not_a_stall() -> None:
     report = attribute(window)
     assert report["stalls"] == [] and report["ranks"][2]["lost_pct"] > 50.0
     assert attribute(window, Thresholds(min_stall_steps=1))["stalls"][0]["rank"] == 2
+    # Nor is one that spills into the next step (one incident, two steps); once more later is.
+    window[4] = (4, window[3][1])
+    assert attribute(window)["stalls"] == []
+    window[7] = (7, window[3][1])
+    [stall] = attribute(window)["stalls"]
+    assert (stall["rank"], stall["late_in"]) == (2, 3)
 
 
 def test_the_noise_is_measured_over_the_reference_history() -> None:

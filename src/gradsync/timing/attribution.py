@@ -30,16 +30,17 @@ A stall is named by what it costs the job, against the job's own noise, both mea
 - a step counts towards a stall if the rank was late in it by ``stall_over_noise`` (2.5) times
   that noise, and by ``min_late_fraction`` of the median interval (5 %, so that a job with no
   measurable noise does not count rounding);
-- the rank is named if it was so late in at least ``min_stall_steps`` (2) of the window's steps
-  and those steps cost the window at least ``min_cost`` (15 %) of its time: their lateness
-  summed, as a share of the window's time (the sum of its steps' median intervals), which is
-  the share of the window the others spent waiting for it.
+- the rank is named if it was so late at least ``min_stall_steps`` (2) times in the window
+  (adjacent steps count once: one pause can straddle the end of a step) and those steps cost
+  the window at least ``min_cost`` (15 %) of its time: their lateness summed, as a share of
+  the window's time (the sum of its steps' median intervals), which is the share of the window
+  the others spent waiting for it.
 
 Every bar is a ratio, so a job of 2 ms steps and one of 2 s steps get the same verdict for the
-same shape of stall. Why two steps: on an oversubscribed machine the scheduler takes any rank's
-core for a step now and then, for up to a second (measured: ``docs/stragglers.md``), which in
-that window is a stall by every measure; the same rank stalling twice in one window beyond the
-other ranks' noise was rare in the balanced runs measured there. The stall's figures
+same shape of stall. Why twice: on an oversubscribed machine the scheduler takes any rank's core
+for a step or two now and then, for up to a second (measured: ``docs/stragglers.md``), which in
+that window is a stall by every measure; the same rank stalling twice apart in one window
+beyond the other ranks' noise was rare in the balanced runs measured there. The stall's figures
 (``late_in``, ``late_ms``, ``job_lost_pct``) are of the steps counted, and every rank's noise
 is in ``ranks`` (``noise_ms``).
 """
@@ -74,7 +75,7 @@ class Thresholds:
     min_cost: float = 0.15  # of the window's time the others spent waiting for a stalling rank
     stall_over_noise: float = 2.5  # a step counts towards a stall if this many times the noise
     noise_quantile: float = 0.95  # of the other ranks' per-step spread over the history
-    min_stall_steps: int = 2  # steps of the window it must have stalled in
+    min_stall_steps: int = 2  # times it must have stalled in the window (adjacent steps: once)
 
 
 def _late_in(records: Sequence[RankStep | None]) -> dict[int, float]:
@@ -176,13 +177,14 @@ def _noise(reference: Window, quantile: float) -> dict[int, float]:
 def _stall(
     steps: Window, rank: int, bar: float, window_ms: float, thresholds: Thresholds
 ) -> dict[str, Any] | None:
-    """``rank``'s stall: the steps in which it was late by ``bar`` or more, if there are at
-    least ``min_stall_steps`` and they cost the others ``min_cost`` of ``window_ms``; else
-    ``None``."""
+    """``rank``'s stall: the steps in which it was late by ``bar`` or more, if they are at least
+    ``min_stall_steps`` apart (not adjacent) and cost the others ``min_cost`` of ``window_ms``;
+    else ``None``."""
     lateness = (_late_in(recs).get(rank, 0.0) for _, recs in steps)
     stalled = {i: late for i, late in enumerate(lateness) if late >= bar}
     lost = sum(stalled.values())
-    if len(stalled) < thresholds.min_stall_steps or lost < thresholds.min_cost * window_ms:
+    apart = sum(i - 1 not in stalled for i in stalled)  # adjacent steps: one incident
+    if apart < thresholds.min_stall_steps or lost < thresholds.min_cost * window_ms:
         return None
     phase, excess = _phase(steps, rank, stalled)
     return {
