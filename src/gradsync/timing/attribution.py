@@ -175,13 +175,18 @@ def _noise(reference: Window, quantile: float) -> dict[int, float]:
 
 
 def _stall(
-    steps: Window, rank: int, bar: float, window_ms: float, thresholds: Thresholds
+    steps: Window,
+    lateness: Sequence[dict[int, float]],
+    rank: int,
+    bar: float,
+    window_ms: float,
+    thresholds: Thresholds,
 ) -> dict[str, Any] | None:
-    """``rank``'s stall: the steps in which it was late by ``bar`` or more, if they are at least
-    ``min_stall_steps`` apart (not adjacent) and cost the others ``min_cost`` of ``window_ms``;
-    else ``None``."""
-    lateness = (_late_in(recs).get(rank, 0.0) for _, recs in steps)
-    stalled = {i: late for i, late in enumerate(lateness) if late >= bar}
+    """``rank``'s stall: the steps in which it was late by ``bar`` or more (``lateness``: every
+    rank's, per step), if they are at least ``min_stall_steps`` apart (not adjacent) and cost
+    the others ``min_cost`` of ``window_ms``; else ``None``."""
+    mine = (late.get(rank, 0.0) for late in lateness)
+    stalled = {i: late for i, late in enumerate(mine) if late >= bar}
     lost = sum(stalled.values())
     apart = sum(i - 1 not in stalled for i in stalled)  # adjacent steps: one incident
     if apart < thresholds.min_stall_steps or lost < thresholds.min_cost * window_ms:
@@ -212,6 +217,7 @@ def attribute(
     for r, lateness in _bucket_lateness(steps).items():
         ranks[r]["bucket_late_ms"] = lateness
     noise = _noise(steps if reference is None else reference, thresholds.noise_quantile)
+    per_step = [_late_in(recs) for _, recs in steps]
     stragglers, stalls = [], []
     for r, entry in ranks.items():
         # what the others spent waiting for it: its lateness summed over the steps it was late in
@@ -234,7 +240,7 @@ def attribute(
                     "job_lost_pct": 100.0 * entry["late_ms"] / step_ms if step_ms else 0.0,
                 }
             )
-        elif bar > 0.0 and (stall := _stall(steps, r, bar, window_ms, thresholds)):
+        elif bar > 0.0 and (stall := _stall(steps, per_step, r, bar, window_ms, thresholds)):
             stalls.append(stall)
     stragglers.sort(key=lambda s: -s["late_ms"])
     stalls.sort(key=lambda s: -s["job_lost_pct"])
