@@ -11,8 +11,9 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
-from gradsync.timing import RankStep, Thresholds
+from gradsync.timing import RankStep, StepTimeline, Thresholds
 from gradsync.timing.attribution import attribute, describe
 
 STEP, STALL, JITTER = 32.0, 38.0, 1.0  # ms: the case, before scaling
@@ -121,3 +122,11 @@ def test_with_two_ranks_the_other_ranks_steps_are_the_noise() -> None:
     assert stall["late_ms"] == pytest.approx(STALL, abs=JITTER)
     noisy = [(s, recs[:2]) for s, recs in _periodic(stall=2 * STALL, jitter=2 * STALL)]
     assert attribute(noisy)["stalls"] == []
+
+
+def test_the_timeline_judges_its_report_against_its_whole_history() -> None:
+    timeline = StepTimeline(10, rank=0, world_size=3, device=torch.device("cpu"))
+    window = _periodic(first=90)
+    timeline.history.extend(_periodic(jitter=20.0, stall=0.0, steps=90, seed=1) + window)
+    assert attribute(window)["stalls"] and timeline.report()["stalls"] == []
+    assert timeline.report()["ranks"][1]["noise_ms"] > STALL / 2.5
