@@ -189,7 +189,11 @@ def _stall(
     stalled = {i: late for i, late in enumerate(mine) if late >= bar}
     lost = sum(stalled.values())
     apart = sum(i - 1 not in stalled for i in stalled)  # adjacent steps: one incident
-    if apart < thresholds.min_stall_steps or lost < thresholds.min_cost * window_ms:
+    if (
+        not window_ms
+        or apart < thresholds.min_stall_steps
+        or lost < thresholds.min_cost * window_ms
+    ):
         return None
     phase, excess = _phase(steps, rank, stalled)
     return {
