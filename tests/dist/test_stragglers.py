@@ -6,7 +6,10 @@ loading) or in each backward (a gradient hook), with two micro-batches per step 
 rank 0 logs that rank with the right phase, every rank holds the same report, and its buckets
 launched late by about the sleep. A rank that sleeps 150 ms before its batch in only 2 of
 every 10 steps (a periodic stall) is never late in 80 % of them, but each report names it with
-what it cost. A balanced run of 50 steps names nobody. One spawn for all cases.
+what it cost. So is the issue's case: every rank's step padded to about 20 ms, and rank 1 late
+by about 36 ms in its forward in every 5th step, costing the job about a fifth of its time
+(the old 40 ms floor named it in no step). A balanced run of 50 steps names nobody. One spawn
+for all cases.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from gradsync.testing.spawn import spawn
 SLOW_RANK, SLEEP = 2, 0.05
 STALL_RANK, STALL, STALL_STEPS = 1, 0.15, (3, 7)  # sleeps STALL s in these steps of every 10
 MICRO = {"data": 2, "backward": 2, "forward": 1, "optimizer": 1}  # micro-batches per step
+PAD, PERIODIC = 0.015, 0.036  # every rank's step padded (s); rank STALL_RANK's 5th-step stall
 
 
 class Lines(logging.Handler):
@@ -55,6 +59,9 @@ def _train(rank: int, where: str, steps: int, micro: int = 1) -> dict[str, Any]:
         net[2].register_forward_hook(lambda *a: time.sleep(SLEEP))
     if slow and where == "backward":
         net[2].weight.register_hook(lambda g: time.sleep(SLEEP))
+    step = 0
+    if rank == STALL_RANK and where == "periodic":  # in steps 1, 6, 11, ...: 2 in every report
+        net[2].register_forward_hook(lambda *a: time.sleep(PERIODIC) if step % 5 == 1 else None)
     handler = Lines()
     logging.getLogger("gradsync.stragglers").addHandler(handler)
     logging.getLogger("gradsync.stragglers").setLevel(logging.INFO)
@@ -64,6 +71,8 @@ def _train(rank: int, where: str, steps: int, micro: int = 1) -> dict[str, Any]:
         for step in range(steps):
             if rank == STALL_RANK and where == "stall" and step % 10 in STALL_STEPS:
                 time.sleep(STALL)
+            if where == "periodic":
+                time.sleep(PAD)
             for m in range(micro):
                 if slow and where == "data":
                     time.sleep(SLEEP)
@@ -82,6 +91,7 @@ def _train(rank: int, where: str, steps: int, micro: int = 1) -> dict[str, Any]:
 def _cases(rank: int, world: int) -> dict[str, Any]:
     out = {where: _train(rank, where, 10, MICRO[where]) for where in MICRO}
     out["stall"] = _train(rank, "stall", 20)
+    out["periodic"] = _train(rank, "periodic", 50)
     out["balanced"] = _train(rank, "none", 50)
     return out
 
@@ -134,7 +144,7 @@ def test_a_periodic_stall_is_named_with_what_it_cost(cases: list[dict[str, Any]]
         # about 20 ms, 50 ms on a loaded CI machine (the share stays above 20 % unless the
         # steps take 120 ms or more)
         assert stall["job_lost_pct"] == pytest.approx(100.0 * cost / report["window_ms"])
-        assert report["ranks"][STALL_RANK]["lost_ms"] >= cost - 1e-9  # also its small delays
+        assert report["ranks"][STALL_RANK]["lost_ms"] >= 0.7 * 2 * STALL * 1e3  # and small delays
         assert stall["job_lost_pct"] > 20.0, report
         assert line == (
             f"gradsync: rank {STALL_RANK} was late in {stall['late_in']} of the last {of} steps by "
@@ -146,6 +156,28 @@ def test_a_periodic_stall_is_named_with_what_it_cost(cases: list[dict[str, Any]]
     metrics = cases[0]["stall"]["metrics"]
     assert metrics["gradsync/stalls"] == 1.0 and metrics["gradsync/stragglers"] == 0.0
     assert metrics[f"gradsync/rank{STALL_RANK}/lost_pct"] > 20.0
+
+
+def test_a_periodic_stall_under_40_ms_is_named_against_the_jobs_noise(
+    cases: list[dict[str, Any]],
+) -> None:
+    reports = cases[0]["periodic"]["reports"]  # steps 1-8, 9-18, ..., 39-48: 2 stalls in each
+    assert all(r["stragglers"] == [] for r in reports), reports
+    assert all(s["rank"] == STALL_RANK for r in reports for s in r["stalls"]), reports
+    named = [(r, s) for r in reports for s in r["stalls"]]
+    # A window in which the loaded machine made the other ranks stray as far as the stall
+    # (the noise is measured over the history, 8 to 48 steps here) rightly names nobody; a
+    # job of 5 windows in which none stands out would be a machine unfit to run this test.
+    assert named, [r["ranks"][STALL_RANK] for r in reports]
+    for report, stall in named:
+        # both stalls; a step a few ms beyond a quiet job's noise may add one more
+        assert 2 <= stall["late_in"] <= 3, report
+        assert stall["phase"] == "forward" or stall["late_in"] > 2, report
+        lost = stall["late_ms"] * stall["late_in"]
+        assert 0.7 * 2 * PERIODIC * 1e3 < lost < 2.0 * 2 * PERIODIC * 1e3, report
+        assert stall["job_lost_pct"] >= 15.0, report
+        assert stall["late_ms"] >= 2.5 * report["ranks"][STALL_RANK]["noise_ms"], report
+    assert all(c["periodic"]["reports"] == reports for c in cases[1:])
 
 
 def test_a_balanced_run_names_nobody(cases: list[dict[str, Any]]) -> None:

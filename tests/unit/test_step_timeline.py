@@ -359,31 +359,28 @@ def test_a_periodic_stall_is_named_with_its_share_of_the_windows_time() -> None:
 
 
 def test_a_stall_is_not_hidden_by_small_lateness_in_other_steps() -> None:
-    # Two 100 ms stalls in steps of 20 ms, and the same rank 6 ms late in four other steps
-    # (noise on a loaded machine): the mean over all six late steps is 36.7 ms, under 40 ms,
-    # but the stall is the two steps, and the report gives their figures only.
+    # Two 100 ms stalls in steps of 20 ms; in four other steps the same rank is 6 ms late and
+    # so is another rank in four more (noise on a loaded machine): the mean over all six steps
+    # rank 1 was late in is 36.7 ms, but the stall is the two steps, and the report gives their
+    # figures only (the 6 ms steps are within the noise the other ranks show).
     window = _stall_window(20.0, 100.0)
-    for s in (1, 4, 5, 8):
+    for s, rank in ((1, 1), (4, 1), (5, 1), (8, 1), (0, 2), (3, 3), (6, 2), (9, 3)):
         recs = list(window[s][1])
-        recs[1] = RankStep((11.0, 5.0, 2.5, 2.5, 5.0))  # 6 ms more data loading
+        recs[rank] = RankStep((11.0, 5.0, 2.5, 2.5, 5.0))  # 6 ms more data loading
         window[s] = (s, recs)
     report = attribute(window)
     assert report["ranks"][1]["late_in"] == 6 and report["ranks"][1]["lost_ms"] < 40.0 * 6
+    assert report["ranks"][1]["noise_ms"] == pytest.approx(6.0)
     [stall] = report["stalls"]
     assert (stall["rank"], stall["phase"], stall["late_in"]) == (1, "data", 2)
     assert stall["late_ms"] == pytest.approx(100.0)
     assert stall["job_lost_pct"] == pytest.approx(100.0 * 200.0 / report["window_ms"])
 
 
-def test_a_stall_that_costs_little_or_is_short_is_only_a_figure() -> None:
-    # 40 ms in 2 of 10 steps of 100 ms: 80 of 1080 ms, 7.4 %, under the 20 % share
-    cheap = attribute(_stall_window(100.0, 40.0))
-    assert cheap["stalls"] == [] and cheap["ranks"][1]["lost_pct"] == pytest.approx(7.41, abs=0.01)
-    # 30 ms in 2 of 10 steps of 10 ms: 60 of 160 ms, 37.5 %, but by less than the 40 ms
-    # that a rank descheduled on a loaded machine can lose in a step
-    short = attribute(_stall_window(10.0, 30.0))
-    assert short["stalls"] == [] and short["ranks"][1]["lost_pct"] == pytest.approx(37.5)
-    assert attribute(_stall_window(10.0, 30.0), Thresholds(min_stall_ms=30.0))["stalls"]
+def test_a_stall_that_costs_little_is_only_a_figure() -> None:
+    # 40 ms in 2 of 10 steps of 400 ms: 80 of 4080 ms, 2 %, under the 10 % share
+    cheap = attribute(_stall_window(400.0, 40.0))
+    assert cheap["stalls"] == [] and cheap["ranks"][1]["lost_pct"] == pytest.approx(1.96, abs=0.01)
     # late in every step: named as a straggler, in one line, not as a stall as well
     report = attribute(_window(10, late_rank=3, late_ms=40.0))
     assert [s["rank"] for s in report["stragglers"]] == [3] and report["stalls"] == []

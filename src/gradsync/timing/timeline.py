@@ -112,11 +112,13 @@ class StepTimeline:
     def report(self, last: int | None = None) -> dict[str, Any]:
         """The straggler report of the last ``last`` steps (default: ``every``) as plain data:
         ``stragglers`` (rank, phase, late_in, of, late_ms, job_lost_pct), ``stalls`` (the
-        same keys, of the steps it was late by ``min_stall_ms`` or more), ``step_ms``,
-        ``window_ms``, ``threshold_ms`` and, per rank, its mean phases and lateness and what
-        the others lost waiting for it (``ranks``: late_in, lost_ms, lost_pct)."""
-        window = list(self.history)[-(last or self.every or len(self.history)) :]
-        return attribute(window, self.thresholds)
+        same keys, of the steps it stalled in), ``step_ms``, ``window_ms``, ``threshold_ms``
+        and, per rank, its mean phases and lateness, what the others lost waiting for it
+        (``ranks``: late_in, lost_ms, lost_pct) and the noise its stalls are judged against,
+        measured over the whole kept history (noise_ms)."""
+        history = list(self.history)
+        window = history[-(last or self.every or len(history)) :]
+        return attribute(window, self.thresholds, reference=history)
 
     def metrics(self, prefix: str = "gradsync/") -> dict[str, float]:
         """The last report as flat ``name -> number`` pairs, for any metrics logger; only
