@@ -55,6 +55,18 @@ def reference(world_size: int, steps: int) -> dict[str, torch.Tensor]:
     return {n: p.detach() for n, p in model.named_parameters()}
 
 
+def _train_step(
+    step: Any, ddp: DistributedDataParallel, opt: torch.optim.Optimizer, loader: Any
+) -> None:
+    """The body of ``with step:``: this rank's micro-batches, one optimizer step."""
+    for x, y in step.micro_batches(loader):
+        loss = ((ddp(x) - y) ** 2).sum()
+        ddp.count_items(len(x))
+        loss.backward()
+    opt.step()
+    opt.zero_grad()
+
+
 def _survivors_meet(store: dist.Store, rank: int, survivors: int) -> None:
     """Without a group: rank 0's process, which holds the store, ends after the others read."""
     store.add("bench/ended", 1)
@@ -119,12 +131,7 @@ def lose_a_rank(
                 if rank == slow_rank:
                     _busy(slow_s)  # a rank slower than the others (its host loaded, say)
                 armed[0] = rank == victim and step.number == at_step
-                for x, y in step.micro_batches(loader):
-                    loss = ((ddp(x) - y) ** 2).sum()
-                    ddp.count_items(len(x))
-                    loss.backward()
-                opt.step()
-                opt.zero_grad()
+                _train_step(step, ddp, opt, loader)
             if step.completed:
                 done.append((step.number, recovery.membership.generation, time.time()))
     except NoRecoveryError as exc:
@@ -185,12 +192,7 @@ def beats_stand_still(
     for step in recovery.steps(steps):
         with step:
             armed[0] = rank == who and step.number == 1
-            for x, y in step.micro_batches(loader):
-                loss = ((ddp(x) - y) ** 2).sum()
-                ddp.count_items(len(x))
-                loss.backward()
-            opt.step()
-            opt.zero_grad()
+            _train_step(step, ddp, opt, loader)
     dist.barrier()  # rank 0's process holds the store: it ends last
     del store
     params = {n: p.detach().clone() for n, p in ddp.module.named_parameters()}
