@@ -16,7 +16,8 @@ wait of the training thread delays it). Two readers:
   has failed, and a regroup for a member that only missed beats costs every rank a roll call.
   On a 2-core machine loaded five times over, beats stood still for more than 0.3 s during a
   save (the beating thread waits for the interpreter's lock, and the process for a core), and
-  a watcher at 0.3 s announced regroups with no rank lost; at 1 s it did not.
+  a watcher at 0.3 s announced regroups with no rank lost; at 1 s one still did, while a
+  replacement's two processes imported torch beside the test suite; 3 s leaves a margin.
 - The roll call's leader reads the counters of the members that have not answered
   (``membership.py``): one whose counter stands still for ``STALE_S`` is gone; one whose
   counter moves is alive, and is waited for, never left out.
@@ -41,7 +42,7 @@ import torch.distributed as dist
 
 PERIOD_S = 0.1  # between two beats
 STALE_S = 0.3  # a counter that stood still this long (by the reader's clock): not beating
-WATCH_S = 1.0  # as long, for a watcher to announce a regroup when no collective has failed
+WATCH_S = 3.0  # as long, for a watcher to announce a regroup when no collective has failed
 FINISHED = 10**12  # added to a counter when its member has finished training: not dead
 
 
