@@ -130,3 +130,20 @@ def test_the_timeline_judges_its_report_against_its_whole_history() -> None:
     timeline.history.extend(_periodic(jitter=20.0, stall=0.0, steps=90, seed=1) + window)
     assert attribute(window)["stalls"] and timeline.report()["stalls"] == []
     assert timeline.report()["ranks"][1]["noise_ms"] > STALL / 2.5
+
+
+def test_a_stall_is_named_once_it_recurs() -> None:
+    # Judged against the kept history, a window's stall is named only if the rank stalled
+    # beyond the same bar in the steps before it too: a periodic stall does, two chance
+    # pauses of a loaded machine in one window seldom do, and the job's first window cannot.
+    quiet = _periodic(stall=0.0, steps=20)
+    window = _periodic(first=20)
+    assert attribute(window)["stalls"]  # judged alone: nothing to recur in is asked
+    assert attribute(window, reference=quiet + window)["stalls"] == []
+    assert attribute(window, reference=window)["stalls"] == []  # the job's first window
+    assert attribute(window, reference=_periodic(steps=30))["stalls"][0]["rank"] == 1
+    # once, in the window's length of steps before it, is enough; earlier than that is not
+    stalled = _periodic(steps=20)
+    for once, named in ((15, True), (5, False)):
+        history = [*quiet[:once], stalled[once], *quiet[once + 1 :]]
+        assert bool(attribute(window, reference=history + window)["stalls"]) is named, once

@@ -31,18 +31,21 @@ A stall is named by what it costs the job, against the job's own noise, both mea
   that noise, and by ``min_late_fraction`` of the median interval (5 %, so that a job with no
   measurable noise does not count rounding);
 - the rank is named if it was so late at least ``min_stall_steps`` (2) times in the window
-  (adjacent steps count once: one pause can straddle the end of a step) and those steps cost
-  the window at least ``min_cost`` (15 %) of its time: their lateness summed, as a share of
-  the window's time (the sum of its steps' median intervals), which is the share of the window
-  the others spent waiting for it.
+  (adjacent steps count once: one pause can straddle the end of a step), those steps cost
+  the window at least ``min_cost`` (15 %) of its time (their lateness summed, as a share of
+  the window's time, the sum of its steps' median intervals: the share of the window the
+  others spent waiting for it), and the stall recurs: the rank was late by the same bar at
+  least once in the window's length of history before it. A periodic stall always does; the
+  job's first window, with nothing before it, never does.
 
 Every bar is a ratio, so a job of 2 ms steps and one of 2 s steps get the same verdict for the
-same shape of stall. Why twice: on an oversubscribed machine the scheduler takes any rank's core
-for a step or two now and then, for up to a second (measured: ``docs/stragglers.md``), which in
-that window is a stall by every measure; the same rank stalling twice apart in one window
-beyond the other ranks' noise was rare in the balanced runs measured there. The stall's figures
-(``late_in``, ``late_ms``, ``job_lost_pct``) are of the steps counted, and every rank's noise
-is in ``ranks`` (``noise_ms``).
+same shape of stall. Why twice, and why again: on an oversubscribed machine the scheduler takes
+any rank's core for a step or two now and then, for up to a second (measured:
+``docs/stragglers.md``), which in that window is a stall by every measure; the same rank
+stalling twice apart in one window beyond the other ranks' noise was rare in the balanced runs
+measured there, and doing so again in the steps before that window rarer still (none there).
+The stall's figures (``late_in``, ``late_ms``, ``job_lost_pct``) are of the steps counted, and
+every rank's noise is in ``ranks`` (``noise_ms``).
 """
 
 from __future__ import annotations
@@ -63,6 +66,7 @@ _WORDS = {
 }
 
 Window = Sequence[tuple[int, Sequence[RankStep | None]]]  # (step, every rank's record)
+Lateness = dict[int, dict[int, float]]  # step -> rank -> how late it arrived (computed once)
 
 
 @dataclass(frozen=True)
@@ -112,11 +116,11 @@ def _bucket_lateness(steps: Window) -> dict[int, list[float]]:
     }
 
 
-def _rank_means(steps: Window) -> dict[int, dict[str, Any]]:
+def _rank_means(steps: Window, lateness: Lateness) -> dict[int, dict[str, Any]]:
     """Per rank: its mean lateness and mean phases over ``steps``."""
     sums: dict[int, list[list[float]]] = {}  # rank -> per step [late, *phases]
-    for _, records in steps:
-        for r, late in _late_in(records).items():
+    for s, records in steps:
+        for r, late in lateness[s].items():
             rec = records[r]
             assert rec is not None
             sums.setdefault(r, []).append([late, *rec.phases])
@@ -127,12 +131,12 @@ def _rank_means(steps: Window) -> dict[int, dict[str, Any]]:
     }
 
 
-def _late_steps(steps: Window, floor: float) -> dict[int, dict[int, float]]:
+def _late_steps(steps: Window, floor: float, lateness: Lateness) -> dict[int, dict[int, float]]:
     """Per rank, the steps in which it arrived later than ``floor``: index into ``steps`` ->
     how late (in order)."""
     late_in: dict[int, dict[int, float]] = {}
-    for i, (_, records) in enumerate(steps):
-        for r, late in _late_in(records).items():
+    for i, (s, _) in enumerate(steps):
+        for r, late in lateness[s].items():
             if late >= floor:
                 late_in.setdefault(r, {})[i] = late
     return late_in
@@ -156,13 +160,13 @@ def _window_ms(steps: Window) -> float:
     )
 
 
-def _noise(reference: Window, quantile: float) -> dict[int, float]:
+def _noise(reference: Window, lateness: Lateness, quantile: float) -> dict[int, float]:
     """Per rank, the noise it is judged against (see [Note: naming a straggler]): of the steps
     of ``reference`` in which it was not late, the ``quantile`` of the largest lateness or
     earliness of any other rank in each."""
     spreads: dict[int, list[float]] = {}
-    for _, records in reference:
-        late = _late_in(records)
+    for s, _ in reference:
+        late = lateness[s]
         top = sorted(((abs(v), r) for r, v in late.items()), reverse=True)[:2]
         for r, mine in late.items():
             if mine <= 0.0:  # another rank's value: the largest unless that is this rank's
@@ -181,10 +185,12 @@ def _stall(
     bar: float,
     window_ms: float,
     thresholds: Thresholds,
+    before: Sequence[dict[int, float]] | None,
 ) -> dict[str, Any] | None:
     """``rank``'s stall: the steps in which it was late by ``bar`` or more (``lateness``: every
-    rank's, per step), if they are at least ``min_stall_steps`` apart (not adjacent) and cost
-    the others ``min_cost`` of ``window_ms``; else ``None``."""
+    rank's, per step), if they are at least ``min_stall_steps`` apart (not adjacent), cost the
+    others ``min_cost`` of ``window_ms``, and recur: ``rank`` was late by ``bar`` in one of the
+    steps ``before`` the window too (``None``: the window is judged alone); else ``None``."""
     mine = (late.get(rank, 0.0) for late in lateness)
     stalled = {i: late for i, late in enumerate(mine) if late >= bar}
     lost = sum(stalled.values())
@@ -193,6 +199,7 @@ def _stall(
         not window_ms
         or apart < thresholds.min_stall_steps
         or lost < thresholds.min_cost * window_ms
+        or (before is not None and not any(late.get(rank, 0.0) >= bar for late in before))
     ):
         return None
     phase, excess = _phase(steps, rank, stalled)
@@ -207,21 +214,44 @@ def _stall(
     }
 
 
+def _straggler(
+    steps: Window, rank: int, entry: dict[str, Any], late_in: Collection[int], step_ms: float
+) -> dict[str, Any]:
+    phase, excess = _phase(steps, rank, late_in)
+    return {
+        "rank": rank,
+        "phase": phase,
+        "late_in": entry["late_in"],
+        "of": len(steps),
+        "late_ms": entry["late_ms"],
+        "phase_excess_ms": excess,
+        "job_lost_pct": 100.0 * entry["late_ms"] / step_ms if step_ms else 0.0,
+    }
+
+
 def attribute(
     window: Window, thresholds: Thresholds = Thresholds(), reference: Window | None = None
 ) -> dict[str, Any]:
     """The report of ``window`` (the same on every rank: every rank holds every record);
-    ``reference``: the steps the job's noise is measured over (default: ``window``)."""
-    steps = [(s, recs) for s, recs in window if len(_late_in(recs)) >= 2]
+    ``reference``: the kept history, ``window`` included, that the job's noise is measured over
+    and in which a stall must recur (default: ``window``, judged alone)."""
+    history = list(window if reference is None else reference)
+    lateness: Lateness = {s: _late_in(recs) for s, recs in history}
+    lateness |= {s: _late_in(recs) for s, recs in window if s not in lateness}
+    steps = [(s, recs) for s, recs in window if len(lateness[s]) >= 2]
     intervals = [rec.interval for _, recs in steps for rec in recs if rec is not None]
     step_ms = statistics.median(intervals) if intervals else 0.0
     fraction = thresholds.min_late_fraction
     floor = max(thresholds.min_late_ms, fraction * step_ms)
-    ranks, late_in, window_ms = _rank_means(steps), _late_steps(steps, floor), _window_ms(steps)
-    for r, lateness in _bucket_lateness(steps).items():
-        ranks[r]["bucket_late_ms"] = lateness
-    noise = _noise(steps if reference is None else reference, thresholds.noise_quantile)
-    per_step = [_late_in(recs) for _, recs in steps]
+    ranks, window_ms = _rank_means(steps, lateness), _window_ms(steps)
+    late_in = _late_steps(steps, floor, lateness)
+    for r, bucket_late in _bucket_lateness(steps).items():
+        ranks[r]["bucket_late_ms"] = bucket_late
+    noise = _noise(history, lateness, thresholds.noise_quantile)
+    per_step = [lateness[s] for s, _ in steps]
+    first = steps[0][0] if steps else 0
+    before = None if reference is None else [lateness[s] for s, _ in history if s < first]
+    before = before[-len(steps) :] if before else before
     stragglers, stalls = [], []
     for r, entry in ranks.items():
         # what the others spent waiting for it: its lateness summed over the steps it was late in
@@ -232,19 +262,10 @@ def attribute(
         bar = max(thresholds.stall_over_noise * entry["noise_ms"], fraction * step_ms)
         persistent = entry["late_in"] >= max(1, thresholds.min_share * len(steps))
         if persistent and entry["late_ms"] >= floor:
-            phase, excess = _phase(steps, r, late_in[r])
-            stragglers.append(
-                {
-                    "rank": r,
-                    "phase": phase,
-                    "late_in": entry["late_in"],
-                    "of": len(steps),
-                    "late_ms": entry["late_ms"],
-                    "phase_excess_ms": excess,
-                    "job_lost_pct": 100.0 * entry["late_ms"] / step_ms if step_ms else 0.0,
-                }
-            )
-        elif bar > 0.0 and (stall := _stall(steps, per_step, r, bar, window_ms, thresholds)):
+            stragglers.append(_straggler(steps, r, entry, late_in[r], step_ms))
+        elif bar > 0.0 and (
+            stall := _stall(steps, per_step, r, bar, window_ms, thresholds, before)
+        ):
             stalls.append(stall)
     stragglers.sort(key=lambda s: -s["late_ms"])
     stalls.sort(key=lambda s: -s["job_lost_pct"])
