@@ -27,11 +27,11 @@ from gradsync.testing.spawn import RankFailure, spawn
 STEPS, AT_STEP = 5, 2
 
 
-def _run(world: int, **options: object) -> list[dict]:
+def _run(world: int, at_step: int = AT_STEP, **options: object) -> list[dict]:
     results = spawn(
         lose_a_rank,
         world,
-        (world - 1, AT_STEP, STEPS, options),
+        (world - 1, at_step, STEPS, options),
         fresh=True,
         return_failures=True,
         timeout_s=120,
@@ -66,6 +66,17 @@ def test_a_survivors_store_operations_do_not_grow_with_the_world_size() -> None:
         assert roll_call[-1] <= 40, (world, roll_call)  # the leader's polls: time, not ranks
     # gradsync's own in the regroup (torch's group set-up is O(N) each: docs/recovery.md)
     assert max(counts[8][1]) <= max(counts[4][1]) + 1 <= 12, counts
+
+
+@pytest.mark.timeout(180)
+def test_survivors_compare_their_first_batches_again_only_when_redoing_the_step_that_did() -> None:
+    """A survivors' regroup skips the gather of every rank's first-batch fingerprint, known to
+    have run, unless the step redone is the one whose forward ran it (a loss in the job's first
+    step): then every survivor runs it again, the same collective on every rank."""
+    for at_step, checks in ((0, 2), (AT_STEP, 1)):
+        survivors = _run(3, at_step=at_step, count_batch_checks=True)
+        _check_equal_to_one_process(survivors, 3)
+        assert [r["batch_checks"] for r in survivors] == [checks, checks], at_step
 
 
 @pytest.mark.timeout(180)

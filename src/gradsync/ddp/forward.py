@@ -87,14 +87,16 @@ class ForwardProtocol:
     and the two re-planners that act at step boundaries. Each call is handed the wrapper's
     state, which it acts on."""
 
-    def __init__(self, options: SyncOptions, inputs_to: torch.device | None) -> None:
+    def __init__(
+        self, options: SyncOptions, inputs_to: torch.device | None, batches_compared: bool = False
+    ) -> None:
         self.inputs_to = inputs_to  # step 1: the replica's device, with device_ids
         self.check_every = options.check_replicas_every
         self.autotune = AutoBuckets(options.first_bucket_cap_mb) if options.auto else None
         self.unused_last = UnusedLast(options)
         self.replicas_checked_at = 0  # the step of the last check_replicas_every check
         self.trained = False  # a forward with grad enabled ran: no longer configurable
-        self._first_batch_checked = False
+        self.batches_compared = batches_compared  # step 8 ran (once a job, not once a group)
 
     def refuse_unless_usable(self, state: ForwardState) -> None:
         """Step 4: raise if a forward now would break the protocol, before any collective."""
@@ -171,12 +173,12 @@ class ForwardProtocol:
         steps = state.reducer.num_reductions
         every = self.check_every
         check_due = every and steps and steps % every == 0 and self.replicas_checked_at != steps
-        first = not self._first_batch_checked
+        first = not self.batches_compared
         if not training or not (broadcast or joining or check_due or first):
             return None
         state.deadline.begin(f"a training forward of step {steps}")  # 7
         if first:  # 8
-            self._first_batch_checked = True
+            self.batches_compared = True
             warn_if_same_batch(batch, state.deadline)
         if check_due:  # 9
             self.replicas_checked_at = steps

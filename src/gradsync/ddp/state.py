@@ -72,12 +72,13 @@ class DDPState:
         self.forward = ForwardProtocol(options, inputs_to)
 
     def _plan(
-        self, equal_by: SyncOptions, mesh_axes: tuple[str, ...]
+        self, equal_by: SyncOptions, mesh_axes: tuple[str, ...], known_same: bool = False
     ) -> tuple[ReducerPlan, ParameterWatch]:
         """Make the replicas equal as ``equal_by`` says (a collective), then plan the buckets."""
         named_params, named_buffers = self.named_parameters(), self.named_buffers()
         settings = equal_by.settings(mesh_axes)
-        make_replicas_equal(named_params, named_buffers, equal_by, settings, self.deadline)
+        equal = named_params, named_buffers, equal_by, settings, self.deadline, known_same
+        make_replicas_equal(*equal)
         self.buffers = [b for _, b in named_buffers]
         watch = ParameterWatch(self.module, self.ignore)
         args = watch, self.options, self.deadline, self.mode, self.layouts, self.module, mesh_axes
@@ -85,21 +86,32 @@ class DDPState:
         self.bucket_sizes, self.bucket_cap_mb = plan.sizes, plan.cap_mb
         return plan, watch
 
-    def regroup(self, deadline: Deadline, layouts: Sequence[GradLayout | None], from_rank_0: bool):
+    def regroup(
+        self,
+        deadline: Deadline,
+        layouts: Sequence[GradLayout | None],
+        from_rank_0: bool,
+        batches_compared: bool,
+    ) -> None:
         """Go on over ``deadline``'s group, between steps (``gradsync.recovery``): the replicas
         are checked equal, or take rank 0's with ``from_rank_0``; the reducer is laid out
-        again for the new group; the protocols start afresh."""
+        again for the new group; the protocols start afresh, the first-batch check with them
+        unless ``batches_compared`` (agreed by every rank)."""
         self.deadline, self.layouts = deadline, list(layouts)
         self.timeline = StepTimeline.of(self.options.straggler_every, deadline)
-        checked = dataclasses.replace(self.options, init_sync=False, init_sync_buffers=False)
-        plan, watch = self._plan(self.options if from_rank_0 else checked, ())
+        if from_rank_0:  # newcomers: the model check, then rank 0's state, as at construction
+            plan, watch = self._plan(self.options, ())
+        else:  # survivors, checked together at construction (a changed parameter set would
+            # have been refused at a step since): only that the replicas are equal
+            checked = dataclasses.replace(self.options, init_sync=False, init_sync_buffers=False)
+            plan, watch = self._plan(checked, (), known_same=True)
         self.reducer.regroup(watch, plan, deadline, self.timeline, layouts)
         if self.sharded is not None:  # its slices already cut for the new group
             names = dict(zip(map(id, self.reducer.params), self.reducer.names, strict=True))
             self.sharded.regroup(deadline, deadline_peers(deadline, names))
             watch.count_with(self.sharded.updates)
         self.join = JoinProtocol(deadline, self.mode.handshake_each_forward)
-        self.forward = ForwardProtocol(self.options, self.forward.inputs_to)
+        self.forward = ForwardProtocol(self.options, self.forward.inputs_to, batches_compared)
 
     @property
     def lifecycle(self) -> Lifecycle:

@@ -150,10 +150,12 @@ class DistributedDataParallel(TorchSurface, TorchDDP):  # type: ignore[override,
         axes = axis_names(self.device_mesh)
         return DDPState(module, ignore, options, deadline, layouts, axes, inputs_to)
 
-    def regroup(self, from_rank_0: bool = False) -> None:
+    def regroup(self, from_rank_0: bool = False, first_batches_compared: bool = False) -> None:
         """Go on over the new default group after a membership change (gradsync.recovery),
         between steps: new buckets, hooks and private group; the replicas are checked equal
-        (``ReplicaMismatchError``), or with ``from_rank_0`` take rank 0's, as at construction."""
+        (``ReplicaMismatchError``), or with ``from_rank_0`` take rank 0's, as at construction.
+        ``first_batches_compared``: every member knows that all compared their first batches
+        (one gather fewer); it must be the same on every rank."""
         state = self._state
         if self.device_mesh is not None or state.torch_hook:
             raise UsageError("regroup() covers no mesh or comm hook (per-rank state)")
@@ -161,7 +163,7 @@ class DistributedDataParallel(TorchSurface, TorchDDP):  # type: ignore[override,
         where, name = torch_args.module_device(self.module), "the regrouped DDP"
         deadline = Deadline.for_group(self.process_group, self.options.timeout, name, where)
         layouts = grad_layouts(state.named_parameters(), self.process_group)
-        state.regroup(deadline, layouts, from_rank_0)
+        state.regroup(deadline, layouts, from_rank_0, first_batches_compared)
 
     # -- the settings, as torch DDP exposes them (read-only: they must agree across ranks) ----
     reduction, broadcast_buffers, compression, timeout = Setting(), Setting(), Setting(), Setting()

@@ -60,7 +60,7 @@ from gradsync.recovery.membership import (
     gather,
     publish_process,
 )
-from gradsync.recovery.notice import lost_a_peer, regroup_failed
+from gradsync.recovery.notice import lost_a_peer, regroup_failed, where_noticed
 from gradsync.recovery.regroup import close_groups, job_store, regroup
 from gradsync.recovery.rollback import StepStart
 from gradsync.recovery.zero import steps_for
@@ -155,6 +155,7 @@ class Recovery:
         self.window, self.min_world_size = window, min_world_size
         # steps completed, over all epochs (a sampler loaded from a checkpoint says how many)
         self.completed = sampler.epoch * sampler.steps_per_epoch + sampler.step
+        self._compared_at = self.completed  # the step whose forward compared the first batches
         self.optimizer_steps = steps_for(model, optimizer)  # ZeRO-1: its mirrors (zero.py)
         weakref.finalize(self, self.optimizer_steps.remove)  # its hooks serve this object alone
         self._starts: dict[int, StepStart] = {}
@@ -246,7 +247,7 @@ class Recovery:
         self.heartbeat.watching = False
         me, steps = self.membership, self.optimizer_steps
         steps.end()
-        phase = _phase(self.model, steps.stepped_in == step.number, exc)
+        phase = where_noticed(self.model, steps.stepped_in == step.number, exc)
         report = Report(self.completed, phase, steps.stepped_in)
         try:
             announce(self.store, self._generation_key())  # wakes survivors still waiting
@@ -262,7 +263,7 @@ class Recovery:
             self._starts[target].restore(
                 self.model.module, self.optimizer, self.lr_scheduler, self.sampler
             )
-            self._continue_on_the_new_group()
+            self._continue_on_the_new_group(compared=target > self._compared_at)
         except GradsyncError as error:
             log_fallback(self.membership.rank, step.number, error)
             raise error from exc
@@ -299,10 +300,11 @@ class Recovery:
         publish_process(self.store, scope, me.rank)
         self.heartbeat.beat_as(scope, me.rank, me.world_size, begun_key(scope))
 
-    def _continue_on_the_new_group(self, from_rank_0: bool = False) -> None:
+    def _continue_on_the_new_group(self, from_rank_0: bool = False, compared: bool = False):
         """The wrapper (its replicas checked equal, or made rank 0's), the checkpointer and
-        the sampler, over the new default group."""
-        self.model.regroup(from_rank_0)
+        the sampler, over the new default group. ``compared``: every survivor completed the
+        step in which the first batches were compared (an agreed fact: it skips the check)."""
+        self.model.regroup(from_rank_0, first_batches_compared=compared)
         if self.checkpointer is not None:
             self.checkpointer.regroup()
         self.sampler.reshard(self.membership.world_size, self.membership.rank)
@@ -378,6 +380,7 @@ class Recovery:
         if receive:
             self.completed = small["completed"]
             self.sampler.load_state_dict(small["sampler"])
+        self._compared_at = self.completed  # every rank compares its first batches again
         self._continue_on_the_new_group(from_rank_0=True)
 
     def _check_can_go_on(self, new: Membership, target: int, lost: dict[int, Any]) -> None:
@@ -390,11 +393,3 @@ class Recovery:
             why = f"step {target}'s start is not kept on rank {new.rank} (a step behind)"
         if why:
             raise NoRecoveryError(f"lost rank(s) {sorted(lost)} but cannot go on: {why}")
-
-
-def _phase(model: DistributedDataParallel, stepped: bool, exc: BaseException) -> str:
-    """Where this survivor was in the step when it noticed the loss."""
-    if stepped:
-        return "optimizer step"
-    reducing = model.reducer.reducing or "gradient reduction" in str(exc)
-    return "backward" if reducing else "forward"

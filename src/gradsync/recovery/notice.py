@@ -23,11 +23,15 @@ type alone.
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
 from gradsync.errors import CollectiveTimeoutError
 from gradsync.recovery.membership import NoRecoveryError
+
+if TYPE_CHECKING:
+    from gradsync.ddp.wrapper import DistributedDataParallel
 
 # What a step ends with when a peer was lost: gradsync's deadline error (a collective that a
 # peer left, or that did not complete in time), or torch's DistError family (DistBackendError,
@@ -62,3 +66,12 @@ def regroup_failed(error: BaseException, address: str | None) -> NoRecoveryError
         f"{holder}, lost with it, and the survivors can agree on who goes on only through "
         "it; every survivor ends here, and torchrun's restart (--max-restarts) takes over"
     )
+
+
+def where_noticed(model: DistributedDataParallel, stepped: bool, exc: BaseException) -> str:
+    """Where this survivor was in its step when it noticed the loss (``stepped``: its optimizer
+    had stepped): ``optimizer step``, ``backward`` or ``forward``."""
+    if stepped:
+        return "optimizer step"
+    reducing = model.reducer.reducing or "gradient reduction" in str(exc)
+    return "backward" if reducing else "forward"

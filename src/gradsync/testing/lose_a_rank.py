@@ -21,6 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 from gradsync.data import GlobalBatchSampler
+from gradsync.ddp import forward
 from gradsync.ddp.wrapper import DistributedDataParallel
 from gradsync.failfast import liveness
 from gradsync.failfast.liveness import ProcessId
@@ -91,6 +92,19 @@ def _as_if_on_a_host_of_its_own(rank: int) -> None:
     membership.this_process = liveness.this_process
 
 
+def _count_batch_checks() -> list[int]:
+    """The first-batch comparisons this process's wrappers will run (one entry each)."""
+    calls: list[int] = []
+    compare = forward.warn_if_same_batch
+
+    def counted(batch: Any, deadline: Any) -> bool:
+        calls.append(1)
+        return compare(batch, deadline)
+
+    forward.warn_if_same_batch = counted
+    return calls
+
+
 def _summary(ops: list[Op]) -> dict[str, int]:
     return {"ops": len(ops), "keys": sum(o.keys for o in ops), "bytes": sum(o.nbytes for o in ops)}
 
@@ -101,8 +115,10 @@ def lose_a_rank(
     """Train ``steps`` steps; ``victim`` dies inside backward of step ``at_step``.
     ``options``: ``Recovery`` keyword arguments, plus ``signal_name``, ``separate_hosts`` (no
     rank sees another's process, as on hosts of their own) and ``slow_rank`` (a rank that
-    computes ``slow_s`` seconds more in every step)."""
+    computes ``slow_s`` seconds more in every step) and ``count_batch_checks`` (how many times
+    this rank's wrapper compared its batches with the others', returned as ``batch_checks``)."""
     options = dict(options)
+    batch_checks = _count_batch_checks() if options.pop("count_batch_checks", False) else None
     sig = getattr(signal, options.pop("signal_name", "SIGKILL"))
     slow_rank, slow_s = options.pop("slow_rank", None), options.pop("slow_s", 0.0)
     if options.pop("separate_hosts", False):
@@ -144,6 +160,7 @@ def lose_a_rank(
     signalled = float(store.get("bench/signalled").decode().split()[0])
     dist.barrier()  # rank 0's process holds the store: it ends last
     out: dict[str, Any] = {"done": done, "events": recovery.events, "signalled": signalled}
+    out["batch_checks"] = batch_checks and len(batch_checks)
     out["params"] = {n: p.detach().clone() for n, p in ddp.module.named_parameters()}
     if recovery.changes:
         out.update(_store_ops(store.ops, recovery.events[0], started))

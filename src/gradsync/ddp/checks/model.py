@@ -119,10 +119,14 @@ def make_replicas_equal(
     options: SyncOptions,
     settings: dict[str, Any],
     deadline: Deadline,
+    known_same: bool = False,
 ) -> None:
     """Check that every rank holds the same model and ``settings``, then copy rank 0's state
-    (with ``options.init_sync=False``: check that the parameters already are rank 0's)."""
-    check_same_model(describe(named_params, named_buffers), settings, deadline)
+    (with ``options.init_sync=False``: check that the parameters already are rank 0's).
+    ``known_same``: the ranks were checked together before (survivors regrouping), so only
+    the parameters are; the model check is a gather of every rank's description."""
+    if not known_same:
+        check_same_model(describe(named_params, named_buffers), settings, deadline)
     sent = [p.data for _, p in named_params] if options.init_sync else []
     sent += [b for _, b in named_buffers] if options.init_sync_buffers else []
     if sent:
