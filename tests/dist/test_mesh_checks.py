@@ -8,68 +8,31 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate
 
 import gradsync
 from gradsync.testing import mesh_run
 from gradsync.testing.gpt import GPTConfig
 from gradsync.testing.mesh_run import Layout
-from gradsync.testing.parallel import apply_tensor_parallel, full_parameters
+from gradsync.testing.parallel import (
+    SP_DIM,
+    apply_tensor_parallel,
+    full_parameters,
+    sequence_parallel_net,
+)
 from gradsync.testing.spawn import spawn
 
 CFG = GPTConfig(vocab_size=13, block_size=8, n_layer=1, n_head=2, n_embd=8)
-DIM, SEQ, BATCH, STEPS = 4, 6, 4, 3
-
-
-class SequenceParallelNet(nn.Module):
-    """A LayerNorm on sequence chunks (its weight's gradient comes out ``Partial`` over tp),
-    then a column- and a row-parallel linear layer."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.ln = nn.LayerNorm(DIM)
-        self.fc1 = nn.Linear(DIM, 8)
-        self.fc2 = nn.Linear(8, DIM)
-        self.tp_rank = self.tp_size = None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.tp_size is not None:  # this rank's chunk of every sequence, for the SP norm
-            x = x.chunk(self.tp_size, dim=1)[self.tp_rank]
-        return self.fc2(torch.relu(self.fc1(self.ln(x))))
-
-
-def _sp_model(mesh: Any | None) -> SequenceParallelNet:
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        RowwiseParallel,
-        SequenceParallel,
-        parallelize_module,
-    )
-
-    torch.manual_seed(0)
-    model = SequenceParallelNet().double()
-    with torch.no_grad():  # a non-trivial norm, so its gradient matters
-        model.ln.weight.uniform_(0.5, 1.5)
-        model.ln.bias.uniform_(-0.5, 0.5)
-    if mesh is not None:
-        tp = mesh["tp"]
-        model.tp_rank, model.tp_size = tp.get_local_rank(), tp.size()
-        plan = {
-            "ln": SequenceParallel(use_local_output=False),
-            "fc1": ColwiseParallel(input_layouts=Shard(1)),
-            "fc2": RowwiseParallel(output_layouts=Replicate()),
-        }
-        parallelize_module(model, tp, plan)
-    return model
+SEQ, BATCH, STEPS = 6, 4, 3
 
 
 def _sp_batch(step: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(step)
-    return torch.randn(BATCH, SEQ, DIM, generator=g, dtype=torch.float64)
+    return torch.randn(BATCH, SEQ, SP_DIM, generator=g, dtype=torch.float64)
 
 
 def _sp_train(mesh: Any, naive: bool) -> dict[str, Any]:
-    model = _sp_model(mesh)
+    model = sequence_parallel_net(mesh)
     dp_mesh = mesh["dp"]
     wrapped: nn.Module = model
     if not naive:
@@ -93,7 +56,7 @@ def _sp_train(mesh: Any, naive: bool) -> dict[str, Any]:
 
 
 def _sp_reference() -> dict[str, torch.Tensor]:
-    model = _sp_model(None)
+    model = sequence_parallel_net(None)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     for step in range(STEPS):
         opt.zero_grad()

@@ -50,6 +50,17 @@ collectives of a step's first forward (the first-batch fingerprint, the replica 
 either mode ([Note: the forward protocol]), so every rank issues them in the same order
 whether its first and last leaf are one forward or two.
 
+[Note: leaves on a device mesh]
+Over a 1-D data-parallel mesh (``device_mesh=mesh["dp"]``) with tensor-parallel DTensor
+parameters, a leaf is computed by every rank of its tp group together: the same samples, the
+same shards, the same tp collectives in the same order, so at a fixed tp size each rank's local
+shard of a leaf's gradient is the same bits whichever dp rank computes it. The tree then sums
+local shards over the dp ranks, as it sums whole gradients without a mesh. Autograd's pairing
+of leaves ([Note: autograd adds the first level] in ``leaf_buckets.py``) is off for DTensor
+gradients: a Partial gradient is reduced over tp when the bucket takes it, and reducing two
+leaves added together rounds differently from adding the two reduced. A cp axis is refused:
+its ranks hold chunks of one leaf, whose contributions would be summed in an order of their own.
+
 [Note: a new bucket plan changes no sum]
 ``bucket_cap_mb="auto"`` lays the buckets out again after its profiled steps (``replan/``),
 always at a step boundary, where no leaf is held. The tree adds each gradient element over the
@@ -58,9 +69,8 @@ travels together, never a sum: the parameters are the bits of a fixed plan.
 
 Refused, naming why: lossy wires (``compression=``; they round partial sums), another
 ``algorithm=`` and torch comm hooks (they choose the summation order), ``shard_optimizer()``
-with an optimizer that steps a slice to other bits than the whole (above), a ``device_mesh``
-(context- and tensor-parallel
-contributions are not leaves), DTensor parameters.
+with an optimizer that steps a slice to other bits than the whole (above), a ``device_mesh`` of
+more than one data-parallel axis (above).
 """
 
 from __future__ import annotations
@@ -143,12 +153,15 @@ def check_compute(
 
 
 def refuse_mesh(mesh_axes: tuple[str, ...], layouts: Sequence[object]) -> None:
-    """The deterministic mode over a device mesh or with DTensor parameters: refused."""
-    if mesh_axes or any(layout is not None for layout in layouts):
+    """The deterministic mode over a device mesh of more than one data-parallel axis: refused.
+
+    One axis is supported, DTensor parameters included ([Note: leaves on a device mesh])."""
+    if len(mesh_axes) > 1:
         raise UsageError(
-            "deterministic= cannot be combined with a device_mesh or DTensor parameters: the "
-            "leaves are micro-batches of the data-parallel axis, and context- or "
-            "tensor-parallel contributions to a gradient are summed in an order of their own"
+            f"deterministic= cannot be combined with a device_mesh of {len(mesh_axes)} "
+            f"data-parallel axes {mesh_axes}: the leaves are micro-batches of one axis, and "
+            "context-parallel contributions to a gradient (chunks of the same leaf) would be "
+            "summed in an order of their own. Pass the one data-parallel axis (mesh['dp'])"
         )
 
 

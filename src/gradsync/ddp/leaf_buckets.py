@@ -22,6 +22,7 @@ from gradsync.comm.tree import Node, TreeFold
 from gradsync.ddp.buckets import Bucket
 from gradsync.ddp.main_grads import AccumulatingBucket
 from gradsync.ddp.plan import BucketSpec
+from gradsync.mesh.dtensors import GradLayout
 
 
 class LeafBucket(AccumulatingBucket):
@@ -50,13 +51,18 @@ class LeafBucket(AccumulatingBucket):
         first: int,
         main_grads: bool,
         tail_numel: int = 0,
+        layouts: Sequence[GradLayout | None] | None = None,
     ) -> None:
         self.first, self.main_grads = first, main_grads  # first: where this rank's block starts
         self.contributes = True  # False in a join round: no leaf of this rank's in the sum
         self.left_open = False  # an even leaf's gradients wait in .grad for the next leaf's
-        super().__init__(spec, params, tail_numel=tail_numel)
+        super().__init__(spec, params, tail_numel=tail_numel, layouts=layouts)
         self.leaf: list[torch.Tensor | None] = [None] * len(self.params)  # the running leaf
-        self.pairs = all(p.dtype == self.grads.dtype for p in self.params)
+        # DTensor gradients are not paired: [Note: leaves on a device mesh] (deterministic.py)
+        self.pairs = all(
+            p.dtype == self.grads.dtype and layout is None
+            for p, layout in zip(self.params, self.layouts, strict=True)
+        )
 
     def reset(self) -> None:
         super().reset()
@@ -83,9 +89,11 @@ class LeafBucket(AccumulatingBucket):
             self._take(slot)
 
     def _take(self, slot: int) -> None:
-        grad = self.params[slot].grad
+        grad, layout = self.params[slot].grad, self.layouts[slot]
         if grad is None:
             return
+        if layout is not None:
+            grad = layout.local_grad(grad)  # this rank's shard, Partial reduced over its axis
         if grad.dtype != self.grads.dtype:  # main_grad_dtype: one widening copy
             grad = grad.to(self.grads.dtype)
         held = self.leaf[slot]

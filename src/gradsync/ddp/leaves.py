@@ -47,8 +47,9 @@ class LeafReducer(Reducer):
         assert self.options.deterministic is not None
         first = leaf_range(self.options.deterministic, self.world_size, self.rank).start
         params = [self.params[i] for i in spec.param_indices]
+        layouts = [self.layouts[i] for i in spec.param_indices]
         tail_numel = self.tail.numel if b == 0 else 0
-        return LeafBucket(spec, params, first, self.main_grads, tail_numel)
+        return LeafBucket(spec, params, first, self.main_grads, tail_numel, layouts)
 
     def _leaf_buckets(self) -> list[LeafBucket]:
         return [b for b in self.buckets if isinstance(b, LeafBucket)]

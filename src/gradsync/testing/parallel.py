@@ -12,6 +12,8 @@ gradsync.
   and hands each rank its own) and a causal mask offset by the chunk's start keeps every query
   to its past. Each rank's loss covers its own chunk's tokens; the gradient of the whole
   sequence is the *sum* over cp ranks, which is why gradsync reduces over dp and cp together.
+- Sequence parallelism: :class:`SequenceParallelNet`, a LayerNorm on each tp rank's chunk of
+  every sequence, whose weight's gradient comes out ``Partial`` over tp.
 """
 
 from __future__ import annotations
@@ -94,3 +96,52 @@ def full_parameters(model: nn.Module) -> dict[str, torch.Tensor]:
         full = p.full_tensor() if hasattr(p, "full_tensor") else p
         out[name] = full.detach().clone()
     return out
+
+
+SP_DIM = 4  # the features of SequenceParallelNet's input
+
+
+class SequenceParallelNet(nn.Module):
+    """A LayerNorm on sequence chunks (its weight's gradient comes out ``Partial`` over tp),
+    then a column- and a row-parallel linear layer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ln = nn.LayerNorm(SP_DIM)
+        self.fc1 = nn.Linear(SP_DIM, 8)
+        self.fc2 = nn.Linear(8, SP_DIM)
+        self.tp_rank: int | None = None
+        self.tp_size: int | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp_size is not None and self.tp_rank is not None:  # this rank's chunk of
+            x = x.chunk(self.tp_size, dim=1)[self.tp_rank]  # every sequence, for the SP norm
+        return self.fc2(torch.relu(self.fc1(self.ln(x))))
+
+
+def sequence_parallel_net(mesh: Any | None) -> SequenceParallelNet:
+    """The net in float64, its norm non-trivial; over ``mesh``'s tp axis (``None``: one
+    process, the reference)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
+
+    torch.manual_seed(0)
+    model = SequenceParallelNet().double()
+    with torch.no_grad():  # a non-trivial norm, so its gradient matters
+        model.ln.weight.uniform_(0.5, 1.5)
+        model.ln.bias.uniform_(-0.5, 0.5)
+    if mesh is not None:
+        tp = mesh["tp"]
+        model.tp_rank, model.tp_size = tp.get_local_rank(), tp.size()
+        plan = {
+            "ln": SequenceParallel(use_local_output=False),
+            "fc1": ColwiseParallel(input_layouts=Shard(1)),
+            "fc2": RowwiseParallel(output_layouts=Replicate()),
+        }
+        parallelize_module(model, tp, plan)
+    return model
