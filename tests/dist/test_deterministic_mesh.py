@@ -6,7 +6,8 @@ leaves cut by ``GlobalBatchSampler(deterministic=True)`` over the dp ranks, at d
 (2, 4 and 6 processes). Every parameter's full tensor must be ``torch.equal`` at every dp size
 and on every rank, and so must a run saved at dp = 3 mid-run and resumed at dp = 2, and a
 sequence-parallel net whose norm's gradients come out ``Partial`` over tp. A mesh of
-two data-parallel axes (dp x cp) is refused on every rank, naming them.
+two data-parallel axes (dp x cp) is refused on every rank, naming them, and so are leaves cut
+over every rank instead of the dp axis, naming the fix.
 """
 
 from __future__ import annotations
@@ -140,6 +141,18 @@ def _run(rank: int, world: int, root: str, phase: str) -> dict[str, Any]:
     return out
 
 
+def _wrong_sampler(rank: int, world: int) -> str:
+    """Leaves cut over every rank, not over the data-parallel axis: what this rank raised."""
+    mesh = init_device_mesh("cpu", (world // TP, TP), mesh_dim_names=("dp", "tp"))
+    model, ddp, opt, _ = _setup(mesh)
+    sampler = GlobalBatchSampler(range(SEQS), GLOBAL, LEAF, seed=1, deterministic=True)
+    try:
+        _train(ddp, opt, sampler, 1)
+    except Exception as exc:  # a tp peer that raised first ends this rank's collectives too
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
 def _differ(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> list[str]:
     return [name for name, value in want.items() if not torch.equal(got[name], value)]
 
@@ -163,3 +176,12 @@ def test_dp_x_tp_gives_the_same_bits_at_every_dp_size_and_across_a_resume(tmp_pa
         assert _differ(got["params"], want) == [], ("resumed at dp=2", rank)
     for result in runs[1]:
         assert "2 data-parallel axes ('dp', 'cp')" in result["refused"], result["refused"]
+
+
+@pytest.mark.timeout(120)
+def test_leaves_cut_over_every_rank_instead_of_the_dp_axis_are_refused_naming_the_fix() -> None:
+    # Fresh processes: a rank that raised ends, so that its tp peer's collectives fail too.
+    errors = spawn(_wrong_sampler, 2 * TP, fresh=True, return_failures=True, timeout_s=60)
+    assert all("no error" != str(e) for e in errors), errors
+    named = [e for e in errors if isinstance(e, str) and e.startswith("UsageError")]
+    assert named and all("num_replicas=mesh['dp'].size()" in e for e in named), errors

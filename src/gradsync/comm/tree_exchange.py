@@ -122,7 +122,9 @@ class StepLayout:
                     f"of every step ({len(block)}), and a rank may run fewer only in a short last "
                     f"step, after which later ranks run none (leaves per rank: {self.counts}). "
                     "Take the leaves from GlobalBatchSampler(..., deterministic=True), or from "
-                    "gradsync.data.leaf_range(leaves, world_size, rank)"
+                    "gradsync.data.leaf_range(leaves, world_size, rank); over a device mesh, of "
+                    "its data-parallel axis: num_replicas=mesh['dp'].size(), "
+                    "rank=mesh['dp'].get_local_rank()"
                 )
         self.total = sum(counts)  # the step's leaves: a prefix of the full step's
         self.pieces = [
