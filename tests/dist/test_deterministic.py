@@ -29,6 +29,7 @@ from gradsync.data import GlobalBatchSampler
 from gradsync.ddp.replan import autotune
 from gradsync.optim import MasterWeights
 from gradsync.testing.gpt import GPT, GPTConfig, lm_loss
+from gradsync.testing.leaf_steps import train_leaf_steps
 from gradsync.testing.spawn import spawn
 from gradsync.verify.report import format_report
 from gradsync.verify.runner import VerifyConfig, verify
@@ -54,31 +55,6 @@ def _params(model: nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def _train(
-    ddp: Any, opt: Any, sampler: GlobalBatchSampler, steps: int, reduction: str, data: Any
-) -> None:
-    """The accumulation loop of docs/deterministic.md, until ``steps`` steps are done: a leaf
-    per micro-batch, ``no_sync()`` on all but a step's last."""
-    loader = DataLoader(data, batch_sampler=sampler)
-    done = sampler.epoch * sampler.steps_per_epoch + sampler.step
-    while done < steps:
-        for (x, y), last in sampler.mark_step_ends(loader):
-            with ddp.no_sync() if not last else _nothing():
-                logits = ddp(x)
-                if reduction == "item_mean":
-                    ddp.count_items(y.numel())
-                per_token = "mean" if reduction == "mean" else "sum"
-                loss = lm_loss(logits.float(), y, reduction=per_token)
-                loss.backward()
-            if last:
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-                done += 1
-                if done == steps:
-                    return
-        sampler.set_epoch(sampler.epoch + 1)
-
-
 class _nothing:
     def __enter__(self) -> None:
         return None
@@ -95,7 +71,7 @@ def _run(rank: int, world: int, mode: str, reduction: str, length: int) -> dict[
     model = _model()
     ddp = gradsync.DistributedDataParallel(model, reduction=reduction, deterministic=leaves)
     opt = torch.optim.AdamW(ddp.parameters(), lr=3e-3)
-    _train(ddp, opt, sampler, STEPS, reduction, _data())
+    train_leaf_steps(ddp, opt, sampler, _data(), STEPS, reduction)
     return _params(model)
 
 
@@ -130,7 +106,7 @@ def _run_auto(rank: int, world: int, cap: str) -> dict[str, Any]:
         model, reduction="item_mean", bucket_cap_mb=cap, deterministic=sampler.leaves_per_step
     )
     opt = torch.optim.AdamW(ddp.parameters(), lr=3e-3)
-    _train(ddp, opt, sampler, AUTO_STEPS, "item_mean", _data())
+    train_leaf_steps(ddp, opt, sampler, _data(), AUTO_STEPS, "item_mean")
     return {"params": _params(model), "buckets": ddp.num_buckets}
 
 
@@ -184,7 +160,7 @@ def _run_master(rank: int, world: int) -> dict[str, Any]:
         deterministic=sampler.leaves_per_step,
     )  # fmt: skip
     opt = MasterWeights(model.parameters(), torch.optim.AdamW, lr=3e-3)
-    _train(ddp, opt, sampler, 20, "item_mean", _data())
+    train_leaf_steps(ddp, opt, sampler, _data(), 20, "item_mean")
     return {**_params(model), **{f"master{i}": m.detach() for i, m in enumerate(opt.master)}}
 
 
@@ -204,12 +180,12 @@ def _moved(rank: int, world: int, root: str, phase: str) -> dict[str, Any]:
     opt = torch.optim.AdamW(ddp.parameters(), lr=3e-3)
     ckpt = Checkpointer(root, model=ddp, optimizer=opt, sampler=sampler, timeout=60)
     if phase == "first":
-        _train(ddp, opt, sampler, MOVED_AT, "item_mean", _data())
+        train_leaf_steps(ddp, opt, sampler, _data(), MOVED_AT, "item_mean")
         ckpt.save(MOVED_AT)
         return {}
     assert ckpt.load() == MOVED_AT
     assert dist.get_world_size() == world
-    _train(ddp, opt, sampler, STEPS, "item_mean", _data())
+    train_leaf_steps(ddp, opt, sampler, _data(), STEPS, "item_mean")
     return _params(model)
 
 

@@ -25,7 +25,8 @@ import gradsync
 from gradsync.checkpoint import Checkpointer
 from gradsync.data import GlobalBatchSampler
 from gradsync.errors import UsageError
-from gradsync.testing.gpt import GPT, GPTConfig, lm_loss
+from gradsync.testing.gpt import GPT, GPTConfig
+from gradsync.testing.leaf_steps import train_leaf_steps
 from gradsync.testing.parallel import (
     SP_DIM,
     apply_tensor_parallel,
@@ -64,25 +65,6 @@ def _setup(mesh: Any) -> tuple[Any, Any, Any, GlobalBatchSampler]:
     )
     opt = torch.optim.AdamW(ddp.parameters(), lr=3e-3, weight_decay=0.1)
     return model, ddp, opt, sampler
-
-
-def _train(ddp: Any, opt: Any, sampler: GlobalBatchSampler, steps: int) -> None:
-    """Leaves as micro-batches, ``no_sync()`` on all but a step's last."""
-    loader = DataLoader(_data(), batch_sampler=sampler)
-    done = sampler.epoch * sampler.steps_per_epoch + sampler.step
-    while done < steps:
-        for (x, y), last in sampler.mark_step_ends(loader):
-            with contextlib.nullcontext() if last else ddp.no_sync():
-                logits = ddp(x)
-                ddp.count_items(y.numel())
-                lm_loss(logits, y, reduction="sum").backward()
-            if last:
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-                done += 1
-                if done == steps:
-                    return
-        sampler.set_epoch(sampler.epoch + 1)
 
 
 def _sequence_parallel(mesh: Any) -> dict[str, torch.Tensor]:
@@ -124,12 +106,12 @@ def _run(rank: int, world: int, root: str, phase: str) -> dict[str, Any]:
     model, ddp, opt, sampler = _setup(mesh)
     ckpt = Checkpointer(root, model=ddp, optimizer=opt, sampler=sampler, timeout=60)
     if phase == "first":
-        _train(ddp, opt, sampler, MOVED_AT)
+        train_leaf_steps(ddp, opt, sampler, _data(), MOVED_AT)
         ckpt.save(MOVED_AT)
         return {}
     if phase == "resumed":
         assert ckpt.load() == MOVED_AT
-    _train(ddp, opt, sampler, STEPS)
+    train_leaf_steps(ddp, opt, sampler, _data(), STEPS)
     out: dict[str, Any] = {"params": full_parameters(model)}
     out["dtensors"] = sum(
         isinstance(p, torch.distributed.tensor.DTensor) for p in model.parameters()
@@ -147,7 +129,7 @@ def _wrong_sampler(rank: int, world: int) -> str:
     model, ddp, opt, _ = _setup(mesh)
     sampler = GlobalBatchSampler(range(SEQS), GLOBAL, LEAF, seed=1, deterministic=True)
     try:
-        _train(ddp, opt, sampler, 1)
+        train_leaf_steps(ddp, opt, sampler, _data(), 1)
     except Exception as exc:  # a tp peer that raised first ends this rank's collectives too
         return f"{type(exc).__name__}: {exc}"
     return "no error"

@@ -28,6 +28,7 @@ from gradsync.checkpoint import Checkpointer
 from gradsync.data import GlobalBatchSampler
 from gradsync.optim import ShardedOptimizer
 from gradsync.testing.gpt import GPT, GPTConfig, lm_loss
+from gradsync.testing.leaf_steps import train_leaf_steps
 from gradsync.testing.spawn import spawn
 
 SEQS, BLOCK, LEAF, GLOBAL = 160, 8, 2, 20  # 10 leaves of 2 sequences per step
@@ -69,29 +70,6 @@ def _clip(opt: Any, ddp: Any) -> torch.Tensor:
     return gradsync.optim.clip_grad_norm_(ddp.parameters(), MAX_NORM)
 
 
-def _train(ddp: Any, opt: Any, sampler: GlobalBatchSampler, steps: int) -> list[torch.Tensor]:
-    """Leaves as micro-batches, ``no_sync()`` on all but a step's last, clip, step; returns
-    each step's norm."""
-    loader = DataLoader(_data(), batch_sampler=sampler)
-    norms: list[torch.Tensor] = []
-    done = sampler.epoch * sampler.steps_per_epoch + sampler.step
-    while done < steps:
-        for (x, y), last in sampler.mark_step_ends(loader):
-            with contextlib.nullcontext() if last else ddp.no_sync():
-                logits = ddp(x)
-                ddp.count_items(y.numel())
-                lm_loss(logits, y, reduction="sum").backward()
-            if last:
-                norms.append(_clip(opt, ddp))
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-                done += 1
-                if done == steps:
-                    return norms
-        sampler.set_epoch(sampler.epoch + 1)
-    return norms
-
-
 def _result(model: nn.Module, opt: Any, norms: list[torch.Tensor]) -> dict[str, Any]:
     """Every parameter, and on rank 0 every optimizer-state tensor by parameter name (a sharded
     optimizer's gathered full from every rank's slices)."""
@@ -111,7 +89,11 @@ def _result(model: nn.Module, opt: Any, norms: list[torch.Tensor]) -> dict[str, 
 
 def _run(rank: int, world: int, sharded: bool) -> dict[str, Any]:
     model, ddp, opt, sampler = _setup(sharded)
-    return _result(model, opt, _train(ddp, opt, sampler, STEPS))
+    return _result(
+        model,
+        opt,
+        train_leaf_steps(ddp, opt, sampler, _data(), STEPS, before_step=lambda: _clip(opt, ddp)),
+    )
 
 
 def _moved(rank: int, world: int, root: str, phase: str) -> dict[str, Any]:
@@ -119,11 +101,17 @@ def _moved(rank: int, world: int, root: str, phase: str) -> dict[str, Any]:
     model, ddp, opt, sampler = _setup(sharded=True)
     ckpt = Checkpointer(root, model=ddp, optimizer=opt, sampler=sampler, timeout=60)
     if phase == "first":
-        norms = _train(ddp, opt, sampler, MOVED_AT)
+        norms = train_leaf_steps(
+            ddp, opt, sampler, _data(), MOVED_AT, before_step=lambda: _clip(opt, ddp)
+        )
         ckpt.save(MOVED_AT)
         return {"norms": [float(n) for n in norms]}
     assert ckpt.load() == MOVED_AT
-    return _result(model, opt, _train(ddp, opt, sampler, STEPS))
+    return _result(
+        model,
+        opt,
+        train_leaf_steps(ddp, opt, sampler, _data(), STEPS, before_step=lambda: _clip(opt, ddp)),
+    )
 
 
 def _differences(got: dict[str, Any], want: dict[str, Any], state: bool) -> list[str]:
