@@ -31,15 +31,18 @@ def on_loopback(worker_argv: list[str], nproc: int, timeout_s: float) -> str:
     return proc.stdout
 
 
-def on_cluster(worker_argv: list[str], nodes: int, rate_mbit: float, timeout_s: float) -> str:
-    """Run ``worker_argv`` on ``nodes`` simulated nodes, one rank each; node 0's stdout."""
+def on_cluster(
+    worker_argv: list[str], nodes: int, rate_mbit: float, timeout_s: float, nproc_per_node: int = 1
+) -> str:
+    """Run ``worker_argv`` on ``nodes`` simulated nodes, ``nproc_per_node`` ranks each; node 0's
+    stdout."""
     from gradsync.testing.cluster import SimulatedCluster
 
     ok, reason = SimulatedCluster.available()
     if not ok:
         sys.exit(f"cannot build a simulated cluster: {reason}")
     with SimulatedCluster(nodes, rate_mbit=rate_mbit) as cluster:
-        results = cluster.launch(worker_argv, 1, timeout_s=timeout_s)
+        results = cluster.launch(worker_argv, nproc_per_node, timeout_s=timeout_s)
     if not all(r.ok for r in results):
         sys.exit("\n".join(r.summary() for r in results))
     return results[0].stdout
@@ -101,15 +104,21 @@ def add_arguments(
 
 
 def run_workers(
-    script: str, args: argparse.Namespace, tag: str, extra: list[str] | None = None
+    script: str,
+    args: argparse.Namespace,
+    tag: str,
+    extra: list[str] | None = None,
+    nproc_per_node: int = 1,
 ) -> tuple[dict[str, Any], str]:
     """Start ``script --worker`` with the shared flags where ``args`` say (and the script's own
-    ``extra`` flags); rank 0's JSON line after ``tag``, and a phrase saying where it ran."""
+    ``extra`` flags), ``nproc_per_node`` ranks on each of ``--world`` nodes (on loopback: all
+    on this machine); rank 0's JSON line after ``tag``, and a phrase saying where it ran."""
     argv = [script, "--worker", *(extra or []), "--rounds", str(args.rounds)]
     argv += ["--steps", str(args.steps)]
     argv += ["--warmup", str(args.warmup), "--batch", str(args.batch)]
     argv += ["--n-layer", str(args.n_layer), "--n-embd", str(args.n_embd)]
     if args.cluster:
-        out = on_cluster(argv, args.world, args.rate_mbit, args.timeout)
+        out = on_cluster(argv, args.world, args.rate_mbit, args.timeout, nproc_per_node)
         return json_line(out, tag), f"simulated cluster, {args.rate_mbit:g} Mbit/s"
-    return json_line(on_loopback(argv, args.world, args.timeout), tag), "loopback"
+    nproc = args.world * nproc_per_node
+    return json_line(on_loopback(argv, nproc, args.timeout), tag), "loopback"
