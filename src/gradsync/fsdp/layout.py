@@ -161,3 +161,21 @@ def grads_become_views(params: Sequence[torch.Tensor], output: torch.Tensor) -> 
         if getattr(p, "_post_accumulate_grad_hooks", None):  # torch's; read by FSDP2 too
             return False
     return True
+
+
+def gradients_held_back(module: nn.Module) -> bool:
+    """Whether FSDP2 holds gradients of micro-batches run with
+    ``set_requires_gradient_sync(False)`` and not yet reduced: an accumulation window is open,
+    and a checkpoint taken now would lose them. FSDP2 keeps them on its unsharded parameters
+    (torch's internals, read defensively: a torch that moved them reads as no window)."""
+    for m in module.modules():
+        if not isinstance(m, FSDPModule):
+            continue
+        for group in getattr(m._get_fsdp_state(), "_fsdp_param_groups", ()):
+            for fsdp_param in getattr(group, "fsdp_params", ()):
+                unsharded = getattr(fsdp_param, "_unsharded_param", None)
+                if unsharded is not None and unsharded.grad is not None:
+                    return True
+                if getattr(fsdp_param, "unsharded_accumulated_grad", None) is not None:
+                    return True
+    return False
