@@ -109,9 +109,10 @@ def describe(modules: list[tuple[str, FSDPModule]]) -> list[tuple[str, tuple[int
 
 def check_same_everywhere(
     across: Deadline, shard: Deadline, settings: dict[str, str], rows: list
-) -> None:
+) -> list[int]:
     """Every data-parallel rank holds the same settings and parameters, else every one of
-    them raises the same :class:`ModelMismatchError`, naming a rank that differs.
+    them raises the same :class:`ModelMismatchError`, naming a rank that differs. Returns the
+    global ranks of every data-parallel rank, sorted.
 
     Two gathers cover the grid: each rank gathers its group across (gradsync's ranks), then
     gathers those over its shard group, so every rank ends with every rank's entry (a rank
@@ -140,6 +141,7 @@ def check_same_everywhere(
             raise ModelMismatchError(
                 f"ranks hold different models: rank {first} has {a}, rank {r} has {b}"
             )
+    return sorted(every)
 
 
 def _first_difference(a: list, b: list) -> tuple[object, object]:
