@@ -9,7 +9,8 @@ Job 2 runs replicate1 x shard2 (2 ranks), job 3 replicate3 x shard2 (6 ranks): e
 from other weights, loads the newest checkpoint (DCP reshards the DTensor weights and AdamW's
 DTensor moments onto its mesh) and trains the same 2 steps from the sampler's saved
 position. Every run must equal one process trained on the 4 global batches (float64, 1e-12),
-with an LR schedule. The load's warning names the world-size change on rank 0 only.
+with an LR schedule. The load's warning names the world-size change on rank 0 only. The same
+for the context-parallel layout: shard2 x cp2 (4 ranks) saves, shard2 alone (2 ranks) continues.
 """
 
 from __future__ import annotations
@@ -53,22 +54,30 @@ def _sampler(replicas: int, rank: int) -> GlobalBatchSampler:
 
 
 def _job(layout: FSDPLayout, seed: int, root: str) -> tuple[Any, ...]:
-    """The model sharded over ``shard``, synchronised over ``replicate``, its optimizer,
-    schedule, sampler (one share per data-parallel rank) and checkpointer."""
+    """The model sharded over ``shard``, synchronised over ``replicate`` and ``cp``, its
+    optimizer, schedule, sampler (one share per row of the batch: replicate x shard ranks; the
+    cp ranks of a row share it) and checkpointer."""
     mesh = layout.build_mesh()
     model = fsdp_run.make_model(CFG, mesh, DTYPE, seed=seed)
-    sync = fsdp_run.parallelize(model, mesh, "mean")
+    fsdp_run.parallelize(model, mesh, "mean")  # FSDP2's hooks keep the synchronisation
     opt, schedule = _optimizer(model.parameters())
     dp_rank = mesh["replicate"].get_local_rank() * layout.shard + mesh["shard"].get_local_rank()
     sampler = _sampler(layout.replicate * layout.shard, dp_rank)
     ckpt = Checkpointer(root, model=model, optimizer=opt, lr_scheduler=schedule,
                         sampler=sampler, timeout=60)  # fmt: skip
-    return model, sync, opt, schedule, sampler, ckpt
+    return model, (opt, schedule, mesh["cp"]), sampler, ckpt
 
 
-def _train(model: Any, opt: Any, schedule: Any, batches: Any, steps: int) -> None:
-    """``steps`` optimizer steps on this rank's share of the next global batches."""
-    tokens, targets = _data()
+def _my_chunks(cp: Any) -> list[torch.Tensor]:
+    """The data set's tokens and targets, this rank's chunk of every sequence (by cp)."""
+    return [t.chunk(cp.size(), dim=1)[cp.get_local_rank()] for t in _data()]
+
+
+def _train(model: Any, objects: tuple, batches: Any, steps: int) -> None:
+    """``steps`` optimizer steps on this rank's share of the next global batches (its rows,
+    and its chunk of every sequence by cp position)."""
+    opt, schedule, cp = objects
+    tokens, targets = _my_chunks(cp)
     for _ in range(steps):
         rows = next(batches)
         opt.zero_grad()
@@ -77,19 +86,19 @@ def _train(model: Any, opt: Any, schedule: Any, batches: Any, steps: int) -> Non
         schedule.step()
 
 
-def _save_and_go_on(rank: int, world: int, root: str) -> dict[str, Any]:
-    model, _, opt, schedule, sampler, ckpt = _job(FSDPLayout(replicate=2, shard=2), 0, root)
+def _save_and_go_on(rank: int, world: int, root: str, layout: FSDPLayout) -> dict[str, Any]:
+    model, objects, sampler, ckpt = _job(layout, 0, root)
     batches = iter(sampler)
-    _train(model, opt, schedule, batches, SAVED_AT - 1)
+    _train(model, objects, batches, SAVED_AT - 1)
     ckpt.save(SAVED_AT - 1)  # written from the live DTensors
-    _train(model, opt, schedule, batches, 1)
+    _train(model, objects, batches, 1)
     ckpt.async_save(SAVED_AT)  # from a CPU copy, while training goes on: the newest
-    _train(model, opt, schedule, batches, STEPS - SAVED_AT)
+    _train(model, objects, batches, STEPS - SAVED_AT)
     ckpt.wait()
     params = full_parameters(model)
     # An accumulation window open: FSDP2 holds gradients no checkpoint saves.
     model.set_requires_gradient_sync(False)
-    tokens, targets = _data()
+    tokens, targets = _my_chunks(objects[2])
     lm_loss(model(tokens[:2]), targets[:2], "mean").backward()
     try:
         ckpt.save(STEPS)
@@ -99,14 +108,13 @@ def _save_and_go_on(rank: int, world: int, root: str) -> dict[str, Any]:
     return {"params": params, "refused": refused}
 
 
-def _resume(rank: int, world: int, root: str) -> dict[str, Any]:
-    layout = FSDPLayout(replicate=world // 2, shard=2)
-    model, _, opt, schedule, sampler, ckpt = _job(layout, 1, root)  # other weights
+def _resume(rank: int, world: int, root: str, layout: FSDPLayout) -> dict[str, Any]:
+    model, objects, sampler, ckpt = _job(layout, 1, root)  # other weights
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         step = ckpt.load()
     position = (sampler.epoch, sampler.step)
-    _train(model, opt, schedule, iter(sampler), STEPS - SAVED_AT)
+    _train(model, objects, iter(sampler), STEPS - SAVED_AT)
     said = [str(w.message) for w in caught if "world size" in str(w.message)]
     return {"step": step, "position": position, "said": said, "params": full_parameters(model)}
 
@@ -132,21 +140,33 @@ def _max_diff(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> fl
     return max((got[n] - want[n]).abs().max().item() for n in want)
 
 
-@pytest.mark.timeout(300)
-def test_replicate2_checkpoint_continues_exactly_on_replicate1_and_replicate3(
-    tmp_path: Path,
-) -> None:
-    root = str(tmp_path / "ckpt")
+def _save_then_resume(root: str, saved: FSDPLayout, resumed: list[FSDPLayout]) -> None:
     want = _reference()
-    for rank, out in enumerate(spawn(_save_and_go_on, 4, (root,), timeout_s=240)):
+    job = spawn(_save_and_go_on, saved.world_size, (root, saved), timeout_s=240)
+    for rank, out in enumerate(job):
         assert _max_diff(out["params"], want) < TOL, ("uninterrupted", rank)
         assert "inside an accumulation window" in out["refused"], (rank, out["refused"])
-    for world in (2, 6):  # replicate1 x shard2, replicate3 x shard2: the same checkpoint
-        for rank, out in enumerate(spawn(_resume, world, (root,), timeout_s=240)):
-            where = f"rank {rank} of {world}"
+    for layout in resumed:  # the same checkpoint, each on another mesh
+        world = layout.world_size
+        for rank, out in enumerate(spawn(_resume, world, (root, layout), timeout_s=240)):
+            where = f"rank {rank} of {layout}"
             assert out["step"] == SAVED_AT, where
             assert out["position"] == (0, SAVED_AT), where
             diff = _max_diff(out["params"], want)
             assert diff < TOL, (where, diff)
             assert bool(out["said"]) == (rank == 0), (where, out["said"])
-            assert all(f"from 4 to {world} at step 2" in s for s in out["said"]), out["said"]
+            said = f"from {saved.world_size} to {world} at step 2"
+            assert all(said in s for s in out["said"]), out["said"]
+
+
+@pytest.mark.timeout(300)
+def test_replicate2_checkpoint_continues_exactly_on_replicate1_and_replicate3(
+    tmp_path: Path,
+) -> None:
+    resumed = [FSDPLayout(replicate=1, shard=2), FSDPLayout(replicate=3, shard=2)]
+    _save_then_resume(str(tmp_path), FSDPLayout(replicate=2, shard=2), resumed)
+
+
+@pytest.mark.timeout(300)
+def test_a_context_parallel_checkpoint_continues_exactly_without_it(tmp_path: Path) -> None:
+    _save_then_resume(str(tmp_path), FSDPLayout(shard=2, cp=2), [FSDPLayout(shard=2, cp=1)])
