@@ -4,7 +4,8 @@
 Job 1 runs replicate2 x shard2 (4 ranks): it trains 2 steps of a ``GlobalBatchSampler``'s global
 batches (12 samples, split over the 4 data-parallel ranks), saving after step 1 (``save``, from
 the live DTensors) and step 2 (``async_save``, from a CPU copy while training goes on), and
-trains 2 more: the uninterrupted run; then a save inside an accumulation window is refused.
+trains 2 more: the uninterrupted run; then a save inside an accumulation window is refused,
+and so are ``MasterWeights`` over DTensor parameters.
 Job 2 runs replicate1 x shard2 (2 ranks), job 3 replicate3 x shard2 (6 ranks): each starts
 from other weights, loads the newest checkpoint (DCP reshards the DTensor weights and AdamW's
 DTensor moments onto its mesh) and trains the same 2 steps from the sampler's saved
@@ -16,6 +17,7 @@ for the context-parallel layout: shard2 x cp2 (4 ranks) saves, shard2 alone (2 r
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +27,7 @@ import torch
 from gradsync.checkpoint import Checkpointer
 from gradsync.data import GlobalBatchSampler
 from gradsync.errors import UsageError
+from gradsync.optim import MasterWeights
 from gradsync.testing import fsdp_run
 from gradsync.testing.fsdp_run import FSDPLayout
 from gradsync.testing.gpt import GPT, GPTConfig, lm_loss
@@ -100,12 +103,19 @@ def _save_and_go_on(rank: int, world: int, root: str, layout: FSDPLayout) -> dic
     model.set_requires_gradient_sync(False)
     tokens, targets = _my_chunks(objects[2])
     lm_loss(model(tokens[:2]), targets[:2], "mean").backward()
+    refused = error_text(lambda: ckpt.save(STEPS))
+    # fp32 masters of DTensor parameters: refused by name (FSDP2 has its own mixed precision).
+    masters = error_text(lambda: MasterWeights(model.parameters(), torch.optim.AdamW))
+    return {"params": params, "refused": refused, "masters": masters}
+
+
+def error_text(fn: Callable[[], object]) -> str:
+    """What ``fn`` raised (a ``UsageError``), or ``""``."""
     try:
-        ckpt.save(STEPS)
-        refused = ""
+        fn()
     except UsageError as exc:
-        refused = str(exc)
-    return {"params": params, "refused": refused}
+        return str(exc)
+    return ""
 
 
 def _resume(rank: int, world: int, root: str, layout: FSDPLayout) -> dict[str, Any]:
@@ -146,6 +156,7 @@ def _save_then_resume(root: str, saved: FSDPLayout, resumed: list[FSDPLayout]) -
     for rank, out in enumerate(job):
         assert _max_diff(out["params"], want) < TOL, ("uninterrupted", rank)
         assert "inside an accumulation window" in out["refused"], (rank, out["refused"])
+        assert "MixedPrecisionPolicy" in out["masters"], (rank, out["masters"])
     for layout in resumed:  # the same checkpoint, each on another mesh
         world = layout.world_size
         for rank, out in enumerate(spawn(_resume, world, (root, layout), timeout_s=240)):
