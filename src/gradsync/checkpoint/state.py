@@ -39,10 +39,13 @@ from torch.distributed.checkpoint.state_dict import (
     get_optimizer_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.fsdp import FSDPModule
 
 from gradsync.checkpoint.rng import get_rng_state, set_rng_state
+from gradsync.ddp.compat.state_keys import refuse_mid_step
 from gradsync.ddp.wrapper import DistributedDataParallel
 from gradsync.errors import CheckpointError
+from gradsync.fsdp.layout import gradients_held_back
 from gradsync.optim.master import MasterWeights
 from gradsync.optim.sharded import ShardedOptimizer
 from gradsync.optim.state import StateShard
@@ -67,7 +70,14 @@ class TrainingObjects:
     ) -> dict[str, Any]:
         """The state to save (live tensors: :func:`snapshot` copies them), or with the
         ``saved_keys`` of a checkpoint, the template to load it into; ``resized``: a template
-        for a checkpoint of another world size (see [Note: resuming at another world size])."""
+        for a checkpoint of another world size (see [Note: resuming at another world size]).
+
+        A module sharded with ``fully_shard`` (FSDP2) is saved as DCP expects: its
+        ``state_dict()`` holds DTensor shards, each rank writing its own and DCP cutting them
+        anew for the loading mesh, and the optimizer's state is DTensors alike; refused inside
+        an accumulation window (FSDP2 holds the no-sync gradients, which no checkpoint saves)."""
+        if saved_keys is None and isinstance(self.model, FSDPModule):
+            refuse_mid_step(gradients_held_back(self.model), 0)
         state: dict[str, Any] = {"model": self.model.state_dict()}  # a wrapper's: keys of
         # the module's own, after a sharded optimizer's parameter all-gathers
         if isinstance(self.optimizer, ShardedOptimizer):  # each rank its slices (resharding)

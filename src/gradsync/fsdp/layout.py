@@ -109,9 +109,10 @@ def describe(modules: list[tuple[str, FSDPModule]]) -> list[tuple[str, tuple[int
 
 def check_same_everywhere(
     across: Deadline, shard: Deadline, settings: dict[str, str], rows: list
-) -> None:
+) -> list[int]:
     """Every data-parallel rank holds the same settings and parameters, else every one of
-    them raises the same :class:`ModelMismatchError`, naming a rank that differs.
+    them raises the same :class:`ModelMismatchError`, naming a rank that differs. Returns the
+    global ranks of every data-parallel rank, sorted.
 
     Two gathers cover the grid: each rank gathers its group across (gradsync's ranks), then
     gathers those over its shard group, so every rank ends with every rank's entry (a rank
@@ -140,6 +141,7 @@ def check_same_everywhere(
             raise ModelMismatchError(
                 f"ranks hold different models: rank {first} has {a}, rank {r} has {b}"
             )
+    return sorted(every)
 
 
 def _first_difference(a: list, b: list) -> tuple[object, object]:
@@ -161,3 +163,21 @@ def grads_become_views(params: Sequence[torch.Tensor], output: torch.Tensor) -> 
         if getattr(p, "_post_accumulate_grad_hooks", None):  # torch's; read by FSDP2 too
             return False
     return True
+
+
+def gradients_held_back(module: nn.Module) -> bool:
+    """Whether FSDP2 holds gradients of micro-batches run with
+    ``set_requires_gradient_sync(False)`` and not yet reduced: an accumulation window is open,
+    and a checkpoint taken now would lose them. FSDP2 keeps them on its unsharded parameters
+    (torch's internals, read defensively: a torch that moved them reads as no window)."""
+    for m in module.modules():
+        if not isinstance(m, FSDPModule):
+            continue
+        for group in getattr(m._get_fsdp_state(), "_fsdp_param_groups", ()):
+            for fsdp_param in getattr(group, "fsdp_params", ()):
+                unsharded = getattr(fsdp_param, "_unsharded_param", None)
+                if unsharded is not None and unsharded.grad is not None:
+                    return True
+                if getattr(fsdp_param, "unsharded_accumulated_grad", None) is not None:
+                    return True
+    return False

@@ -53,7 +53,9 @@ from gradsync.ddp.reduction import Reduction
 from gradsync.errors import CollectiveTimeoutError, ProtocolError, UsageError
 from gradsync.failfast.deadline import Deadline, Handle, as_timedelta
 from gradsync.fsdp import layout
+from gradsync.fsdp.timeline import FSDPTimeline
 from gradsync.mesh.axes import data_parallel_group
+from gradsync.timing.timeline import StepTimeline
 
 _built = 0  # objects built in this process: the same sequence on every rank
 
@@ -64,6 +66,7 @@ def replicate_gradients(
     *,
     reduction: str = "mean",
     timeout: float | timedelta = 300.0,
+    straggler_every: int = 10,
 ) -> ReplicatedGradients:
     """Synchronise the gradients of ``module`` (sharded with ``fully_shard`` over a 1-D mesh)
     over the ranks of ``mesh`` as well, overlapped with backward; call on every rank after
@@ -75,16 +78,23 @@ def replicate_gradients(
     ``DistributedDataParallel``, over every data-parallel rank (shard x ``mesh``): ``"mean"``,
     ``"sum"`` or ``"item_mean"`` (then call :meth:`ReplicatedGradients.count_items` for every
     micro-batch). gradsync's collectives are waited for under ``timeout`` (seconds); a rank
-    that does not arrive is named on the others.
+    that does not arrive is named on the others. Every ``straggler_every`` steps the rank the
+    others waited for is named (``ReplicatedGradients.timeline``, as the wrapper's); ``0``
+    turns the timeline off.
     """
-    return ReplicatedGradients(module, mesh, reduction, as_timedelta(timeout))
+    return ReplicatedGradients(module, mesh, reduction, as_timedelta(timeout), straggler_every)
 
 
 class ReplicatedGradients:
     """The synchronisation :func:`replicate_gradients` installed on one module."""
 
     def __init__(
-        self, module: nn.Module, mesh: DeviceMesh, reduction: str, timeout: timedelta
+        self,
+        module: nn.Module,
+        mesh: DeviceMesh,
+        reduction: str,
+        timeout: timedelta,
+        straggler_every: int = 10,
     ) -> None:
         global _built
         modules = layout.fsdp_modules(module)
@@ -101,10 +111,12 @@ class ReplicatedGradients:
         self.shard_deadline = Deadline.for_group(shard.get_group(), timeout, f"{name} (shard)")
         self.process_group = group
         self.divisor = float(shard.size() * dist.get_world_size(group))
-        settings = {"reduction": reduction}
-        layout.check_same_everywhere(
+        settings = {"reduction": reduction, "straggler_every": str(straggler_every)}
+        grid = layout.check_same_everywhere(
             self.deadline, self.shard_deadline, settings, layout.describe(modules)
         )
+        fsdp = [m for _, m in modules]
+        self.phases = FSDPTimeline(straggler_every, module, fsdp, grid, self.deadline)
         self.steps = 0  # synchronised backwards begun
         self.in_backward = False
         self.pending: list[tuple[Handle, torch.Tensor]] = []
@@ -116,6 +128,12 @@ class ReplicatedGradients:
             m.set_force_sum_reduction_for_comms(True)  # see [Note: scaling]
             m.set_gradient_divide_factor(1.0)
             m.set_all_reduce_hook(partial(self._on_reduce_scattered, params))
+
+    @property
+    def timeline(self) -> StepTimeline:
+        """Every data-parallel rank's step phases and the straggler reports: ``report()``,
+        ``metrics()``, as on the wrapper (see ``fsdp/timeline.py``)."""
+        return self.phases.timeline
 
     def count_items(self, num_items: float | torch.Tensor) -> None:
         """Declare that the current micro-batch's (sum-reduced) loss covers ``num_items``
@@ -166,6 +184,10 @@ class ReplicatedGradients:
             for work, _ in self.pending:
                 self._wait(self.deadline, work, "a gradient all-reduce")
             self._divide([output for _, output in self.pending])
+            self.phases.exchange(self.deadline, self.shard_deadline, self.steps - 1)
+        except BaseException:
+            self.phases.abandon()
+            raise
         finally:
             self.pending = []
             self.in_backward = False

@@ -107,6 +107,12 @@ class MasterWeights:
         groups = []
         for group in _param_groups(params):
             trainable = [p for p in group["params"] if p.requires_grad]
+            if any(hasattr(p, "device_mesh") for p in trainable):  # a DTensor: no foreach copy
+                raise UsageError(
+                    "MasterWeights does not take DTensor parameters (fully_shard, tensor "
+                    "parallelism); with fully_shard keep fp32 parameters and compute in bf16 "
+                    "with its MixedPrecisionPolicy(param_dtype=torch.bfloat16)"
+                )
             master = [
                 torch.nn.Parameter(p.detach().to(torch.float32, copy=True)) for p in trainable
             ]

@@ -39,6 +39,7 @@ from gradsync.timing.clock import DeviceClock, HostClock
 
 PHASES = ("data", "forward", "backward", "optimizer", "exposed_comm")
 _COMPUTED = tuple(p for p in PHASES if p != "data")  # "data" is what is left
+_WAITING = ":waiting"  # a span of waiting inside the phase it is named after (waited())
 
 
 @dataclass(frozen=True)
@@ -107,6 +108,12 @@ class PhaseRecorder:
             end = self._last_exposed_began = self.clock.mark()
             self._spans.append(("backward", self._forward_ended, end))
             self._forward_ended = None
+
+    def waited(self, phase: str, begin: Any, end: Any) -> None:
+        """From mark ``begin`` to ``end``, inside ``phase``, this rank waited for others (FSDP2's
+        all-gathers in forward, see [Note: FSDP2's waits] in ``fsdp/timeline.py``): counted as
+        ``exposed_comm``, not as ``phase``."""
+        self._spans.append((phase + _WAITING, begin, end))
 
     def launched(self, bucket: int) -> None:
         self._launches[bucket] = self.clock.mark()
@@ -187,13 +194,21 @@ class PhaseRecorder:
         total = offset(start, end)
         # Milliseconds from the start; a step whose closure synchronised began before it.
         at = [(phase, max(0.0, offset(start, b)), offset(start, e)) for phase, b, e in spans]
-        others = [(b, e) for phase, b, e in at if phase != "optimizer"]
+        others = [(b, e) for p, b, e in at if p != "optimizer" and not p.endswith(_WAITING)]
         sums = dict.fromkeys(PHASES, 0.0)
+        waiting = dict.fromkeys(PHASES, 0.0)
         for phase, begin, end in at:
+            if phase.endswith(_WAITING):
+                waiting[phase.removesuffix(_WAITING)] += max(0.0, end - begin)
+                continue
             inside = 0.0  # forwards and backwards that ran inside an optimizer step (a closure)
             if phase == "optimizer":
                 inside = sum(max(0.0, min(end, e) - max(begin, b)) for b, e in others)
             sums[phase] += max(0.0, end - begin - inside)
+        for phase, ms in waiting.items():  # waiting for others is exposed communication
+            moved = min(ms, sums[phase])
+            sums[phase] -= moved
+            sums["exposed_comm"] += moved
         sums["data"] = max(0.0, total - sum(sums[p] for p in _COMPUTED))
         order = sorted(launches)
         times = tuple(
