@@ -1,4 +1,4 @@
-"""FSDP2 with gradsync across, failing fast: layouts refused by name at construction, settings
+"""FSDP2 with gradsync across, failing fast: layouts (and Recovery) refused by name, settings
 that differ across ranks refused on every rank, a rank that never arrives named within the
 deadline. One spawn of 4 gloo ranks (replicate2 x shard2) runs every case in order.
 """
@@ -14,7 +14,9 @@ import torch.distributed as dist
 from test_behaviour import error_text
 from torch import nn
 
+from gradsync.data import GlobalBatchSampler
 from gradsync.fsdp import replicate_gradients
+from gradsync.recovery import Recovery
 from gradsync.testing import fsdp_run, mesh_run
 from gradsync.testing.fsdp_run import FSDPLayout
 from gradsync.testing.gpt import GPTConfig
@@ -35,6 +37,9 @@ def _refusals(mesh: Any, out: dict) -> None:
     out["torch_hsdp"] = error_text(lambda: replicate_gradients(torch_hsdp, mesh["replicate"]))
     sharded = fsdp_run.shard(_model(mesh), mesh["shard"])
     out["shard_axis"] = error_text(lambda: replicate_gradients(sharded, mesh["shard"]))
+    opt = torch.optim.AdamW(sharded.parameters())
+    sampler = GlobalBatchSampler(range(16), 8)
+    out["recovery"] = error_text(lambda: Recovery(sharded, opt, sampler))
     reduction = "sum" if dist.get_rank() == CULPRIT else "mean"
     out["reduction_differs"] = error_text(
         lambda: replicate_gradients(sharded, mesh["replicate"], reduction=reduction, timeout=20)
@@ -82,6 +87,7 @@ def test_layouts_gradsync_cannot_serve_are_refused_by_name(faults: list[dict]) -
     _every_rank(faults, "not_sharded", "UsageError", "fully_shard", "Linear")
     _every_rank(faults, "torch_hsdp", "UsageError", "hybrid sharding", "tok_emb.weight")
     _every_rank(faults, "shard_axis", "UsageError", "shard axis", "['shard']")
+    _every_rank(faults, "recovery", "UsageError", "fully_shard (FSDP2)", "newest checkpoint")
 
 
 @pytest.mark.timeout(300)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
 
 from gradsync.data import GlobalBatchSampler
 from gradsync.ddp.wrapper import DistributedDataParallel
@@ -15,6 +16,13 @@ from gradsync.optim.sharded import ShardedOptimizer
 def check_covered(model: Any, optimizer: Any, sampler: Any, join: str | None = None) -> None:
     """Raise :class:`UsageError` unless a lost rank can be recovered from with these (``join``:
     the store this process joins at as a replacement)."""
+    if isinstance(model, FSDPModule):
+        raise UsageError(
+            "Recovery does not cover a fully_shard (FSDP2) model yet: losing a rank loses its "
+            "shards of the parameters and optimizer state, which no survivor holds, and FSDP2's "
+            "groups would have to be built again over the survivors; restart the job from its "
+            "newest checkpoint (Checkpointer reshards it at the new world size)"
+        )
     if not isinstance(model, DistributedDataParallel):
         raise UsageError("Recovery needs a gradsync.DistributedDataParallel model")
     if model.device_mesh is not None or model.process_group not in (None, dist.group.WORLD):
