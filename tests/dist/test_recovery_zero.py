@@ -9,7 +9,8 @@ learning rate; ranks die by SIGKILL inside backward (the all-reduce), inside the
 last survivor must hold one process's parameters (1e-12) with every sample used once. A loss
 that splits the survivors (one stepped its slices, its buddy had not) hands the step's gradient
 on. Losing an owner and its buddy together takes the restart path, saying so on every survivor.
-Fresh processes where ranks kill themselves.
+The survivors' checkpoints resume a new job at another world size, equal to one process. Fresh
+processes where ranks kill themselves.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from test_recovery import GLOBAL_BATCH, MICRO, STEPS, _data, _model, _reference
 from torch.utils.data import DataLoader
 
 import gradsync
+from gradsync.checkpoint import Checkpointer
 from gradsync.data import GlobalBatchSampler
 from gradsync.ddp import sharding
 from gradsync.errors import CollectiveTimeoutError, GradsyncError
@@ -225,3 +227,44 @@ def test_a_mirror_that_stepped_other_bits_refuses_the_next_step_on_every_rank():
     results = spawn(_mirrors, WORLD, (True,), timeout_s=60)
     for r in range(WORLD):
         assert "rank 1's mirror of rank 2's slice of bucket" in results[r]["error"], results[r]
+
+
+def _saving(rank: int, world: int, folder: str, phase: str) -> dict:
+    """ZeRO-1 under ``Recovery`` with a ``Checkpointer`` saving after every odd step. "lose":
+    4 ranks, the last killed inside backward of step 2, the 3 survivors saving on; "resume": a
+    new job loads the newest save and trains to the end."""
+    data, sampler, ddp, opt, sched, _ = _setup()
+    ckpt = Checkpointer(folder, model=ddp, optimizer=opt, lr_scheduler=sched, sampler=sampler)
+    loaded = ckpt.load() if phase == "resume" else None
+    recovery = Recovery(ddp, opt, sampler, lr_scheduler=sched, checkpointer=ckpt, window=3.0)
+    dies = phase == "lose" and rank == world - 1
+    armed = [False]
+    ddp.module[0].weight.register_hook(lambda g: os.kill(os.getpid(), 9) if armed[0] else g)
+    loader = DataLoader(data)
+    for step in recovery.steps(STEPS if phase == "resume" else 7):
+        with step:
+            armed[0] = dies and step.number == 2
+            _run_step(step, ddp, opt, sched, loader, None)
+            if step.number % 2 == 1:
+                ckpt.save(step.number + 1)
+    params = {n: p.detach().clone() for n, p in ddp.module.named_parameters()}
+    return {"params": params, "loaded": loaded, "events": recovery.events}
+
+
+@pytest.mark.timeout(120)
+def test_checkpoints_saved_by_the_survivors_resume_a_new_job_equal_to_one_process(
+    tmp_path,  # type: ignore[no-untyped-def]
+) -> None:
+    """The saves after the loss hold the survivors' slices (and refill the mirrors when
+    loaded): a new job of 2 ranks resumes from the 3 survivors' last save, at step 6, and ends
+    equal to one process."""
+    folder = str(tmp_path)
+    lost = spawn(_saving, WORLD, (folder, "lose"), fresh=True, return_failures=True, timeout_s=90)
+    assert isinstance(lost[-1], RankFailure)
+    assert [e["world_size"] for e in lost[0]["events"]] == [3], lost[0]["events"]
+    resumed = spawn(_saving, 2, (folder, "resume"), timeout_s=90)
+    reference = _reference()
+    for result in resumed:
+        assert result["loaded"] == 6
+        for name, p in result["params"].items():
+            torch.testing.assert_close(p, reference[name], rtol=0, atol=1e-12, msg=name)
