@@ -46,8 +46,12 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, _ = x.shape
-        # -1: the heads this rank holds (all of them without tensor parallelism).
-        q, k, v = self.qkv(x).view(b, t, -1, 3, self.head_dim).unbind(3)
+        qkv = self.qkv(x)
+        # The heads this rank holds (all of them without tensor parallelism), counted from the
+        # projection's width, not with -1: a micro-batch of no sample has no elements to infer
+        # it from.
+        heads = qkv.shape[-1] // (3 * self.head_dim)
+        q, k, v = qkv.view(b, t, heads, 3, self.head_dim).unbind(3)
         q, k, v = (z.transpose(1, 2) for z in (q, k, v))
         dropout = self.dropout if self.training else 0.0
         if self.context_parallel is None:
@@ -57,7 +61,7 @@ class CausalSelfAttention(nn.Module):
             k, v = cp.gather(k), cp.gather(v)
             mask = cp.causal_mask(t, x.device)
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout)
-        return self.proj(y.transpose(1, 2).reshape(b, t, -1))
+        return self.proj(y.transpose(1, 2).reshape(b, t, heads * self.head_dim))
 
 
 class Block(nn.Module):
