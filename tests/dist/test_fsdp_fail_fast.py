@@ -1,6 +1,7 @@
-"""FSDP2 with gradsync across, failing fast: layouts (and Recovery) refused by name, settings
-that differ across ranks refused on every rank, a rank that never arrives named within the
-deadline. One spawn of 4 gloo ranks (replicate2 x shard2) runs every case in order.
+"""FSDP2 with gradsync across, failing fast: layouts, Recovery and the deterministic mode refused
+by name, settings that differ across ranks refused on every rank, a rank that never arrives
+named within the deadline. One spawn of 4 gloo ranks (replicate2 x shard2) runs every case in
+order.
 """
 
 from __future__ import annotations
@@ -40,6 +41,9 @@ def _refusals(mesh: Any, out: dict) -> None:
     opt = torch.optim.AdamW(sharded.parameters())
     sampler = GlobalBatchSampler(range(16), 8)
     out["recovery"] = error_text(lambda: Recovery(sharded, opt, sampler))
+    out["deterministic"] = error_text(
+        lambda: replicate_gradients(sharded, mesh["replicate"], deterministic=10)
+    )
     reduction = "sum" if dist.get_rank() == CULPRIT else "mean"
     out["reduction_differs"] = error_text(
         lambda: replicate_gradients(sharded, mesh["replicate"], reduction=reduction, timeout=20)
@@ -88,6 +92,7 @@ def test_layouts_gradsync_cannot_serve_are_refused_by_name(faults: list[dict]) -
     _every_rank(faults, "torch_hsdp", "UsageError", "hybrid sharding", "tok_emb.weight")
     _every_rank(faults, "shard_axis", "UsageError", "shard axis", "['shard']")
     _every_rank(faults, "recovery", "UsageError", "fully_shard (FSDP2)", "newest checkpoint")
+    _every_rank(faults, "deterministic", "UsageError", "deterministic=", "shard size")
 
 
 @pytest.mark.timeout(300)

@@ -67,6 +67,7 @@ def replicate_gradients(
     reduction: str = "mean",
     timeout: float | timedelta = 300.0,
     straggler_every: int = 10,
+    deterministic: int | None = None,
 ) -> ReplicatedGradients:
     """Synchronise the gradients of ``module`` (sharded with ``fully_shard`` over a 1-D mesh)
     over the ranks of ``mesh`` as well, overlapped with backward; call on every rank after
@@ -80,9 +81,25 @@ def replicate_gradients(
     micro-batch). gradsync's collectives are waited for under ``timeout`` (seconds); a rank
     that does not arrive is named on the others. Every ``straggler_every`` steps the rank the
     others waited for is named (``ReplicatedGradients.timeline``, as the wrapper's); ``0``
-    turns the timeline off.
+    turns the timeline off. ``deterministic=`` (the wrapper's mode of the same bits at every
+    world size) is refused: see :func:`refuse_deterministic`.
     """
+    refuse_deterministic(deterministic)
     return ReplicatedGradients(module, mesh, reduction, as_timedelta(timeout), straggler_every)
+
+
+def refuse_deterministic(leaves: int | None) -> None:
+    """The deterministic mode is gradsync's sum of each step's leaves in one fixed tree over the
+    data-parallel ranks. Under FSDP2 the first sum of every gradient is FSDP2's reduce-scatter
+    over the shard ranks, in the backend's order, which a change of the shard size changes: no
+    tree of gradsync's can restore those bits."""
+    if leaves is not None:
+        raise UsageError(
+            "replicate_gradients(deterministic=...) is refused: FSDP2 sums every gradient over "
+            "its shard ranks first, in its backend's order, so the bits would change with the "
+            "shard size. For the same bits at every world size use "
+            "gradsync.DistributedDataParallel(deterministic=...) without fully_shard"
+        )
 
 
 class ReplicatedGradients:
