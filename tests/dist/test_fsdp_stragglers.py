@@ -1,10 +1,10 @@
 """The straggler timeline of ``replicate_gradients``: on replicate2 x shard2 (4 gloo ranks), a
-rank that sleeps 50 ms in its forward, or before each of its two micro-batches (the first
-under ``set_requires_gradient_sync(False)``), is named with that phase in the first report (step
-10), and not its shard peer, which waited for it in FSDP2's all-gathers ([Note: FSDP2's waits]
-in ``gradsync/fsdp/timeline.py``); every rank holds the same report and rank 0 says it in one
-line. A balanced run of 30 steps names nobody; ``straggler_every=0`` measures nothing. One spawn
-for all cases.
+rank that sleeps 50 ms in its forward, in its backward, or before each of its two micro-batches
+(the first under ``set_requires_gradient_sync(False)``), is named with that phase in the first
+report (step 10), and not its shard peer, which waited for it in FSDP2's all-gathers and
+reduce-scatters ([Note: FSDP2's waits] in ``gradsync/fsdp/timeline.py``); every rank holds
+the same report and rank 0 says it in one line. A balanced run of 30 steps names nobody;
+``straggler_every=0`` measures nothing. One spawn for all cases.
 """
 
 from __future__ import annotations
@@ -26,7 +26,8 @@ from gradsync.testing.spawn import spawn
 CFG = GPTConfig(vocab_size=13, block_size=8, n_layer=2, n_head=2, n_embd=8)
 LAYOUT = FSDPLayout(replicate=2, shard=2)
 SLOW_RANK, SLEEP = 1, 0.05  # rank 1's shard peer is rank 0, its replica ranks 2 and 3
-MICRO = {"forward": 1, "data": 2, "none": 1}  # micro-batches per step (all but the last no-sync)
+MICRO = {"forward": 1, "backward": 1, "data": 2, "none": 1}  # micro-batches per step (all but
+# the last no-sync)
 
 
 class Lines(logging.Handler):
@@ -48,6 +49,13 @@ def _train(rank: int, mesh: Any, where: str, steps: int, every: int = 10) -> dic
     slow = rank == SLOW_RANK
     if slow and where == "forward":  # after FSDP2's all-gather of the block: its own work
         model.blocks[0].register_forward_pre_hook(lambda *a: time.sleep(SLEEP))
+    if slow and where == "backward":  # between the two blocks' backward: its shard peer waits
+        # for it in block 1's reduce-scatter or block 0's all-gather, inside its own backward
+        def sleep_in_backward(module: Any, args: Any, out: torch.Tensor) -> None:
+            if out.requires_grad:
+                out.register_hook(lambda g: time.sleep(SLEEP))
+
+        model.blocks[1].register_forward_hook(sleep_in_backward)
     handler = Lines()
     logger = logging.getLogger("gradsync.stragglers")
     logger.addHandler(handler)
@@ -74,7 +82,7 @@ def _train(rank: int, mesh: Any, where: str, steps: int, every: int = 10) -> dic
 
 def _cases(rank: int, world: int) -> dict[str, Any]:
     mesh = LAYOUT.build_mesh()
-    out = {where: _train(rank, mesh, where, 10) for where in ("forward", "data")}
+    out = {where: _train(rank, mesh, where, 10) for where in ("forward", "backward", "data")}
     out["balanced"] = _train(rank, mesh, "none", 30)
     out["off"] = _train(rank, mesh, "forward", 5, every=0)
     return out
@@ -86,7 +94,7 @@ def cases() -> list[dict[str, Any]]:
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("where", ["forward", "data"])
+@pytest.mark.parametrize("where", ["forward", "backward", "data"])
 def test_the_slow_rank_is_named_with_its_phase_not_its_shard_peer(
     cases: list[dict[str, Any]], where: str
 ) -> None:

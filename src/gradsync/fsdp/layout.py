@@ -10,7 +10,8 @@ types, DTensor meshes and placements, process-group ranks).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -181,3 +182,14 @@ def gradients_held_back(module: nn.Module) -> bool:
                 if getattr(fsdp_param, "unsharded_accumulated_grad", None) is not None:
                     return True
     return False
+
+
+def wrap_collectives(module: FSDPModule, wrap: Callable[[Any], Any]) -> None:
+    """Replace each of FSDP2's parameter groups' all-gather and reduce-scatter of ``module``
+    (its own, or one set with ``set_custom_all_gather`` / ``set_custom_reduce_scatter``) with
+    ``wrap(it)``. Read from torch's internals defensively: a torch that moved them is left as
+    it is."""
+    for group in getattr(module._get_fsdp_state(), "_fsdp_param_groups", ()):
+        if hasattr(group, "_all_gather_comm") and hasattr(group, "_reduce_scatter_comm"):
+            group._all_gather_comm = wrap(group._all_gather_comm)
+            group._reduce_scatter_comm = wrap(group._reduce_scatter_comm)

@@ -11,9 +11,13 @@ in FSDP2's forward all-gathers is measured and counted as waiting (``exposed_com
 forward: every ``FSDPModule`` gets a forward pre-hook ahead of FSDP2's (which all-gathers the
 module's parameters and waits for them) and one after it, and the time between the two is
 waiting. What is left in ``forward`` is this rank's own work, and the slow rank is the one
-named. FSDP2's all-gathers in backward (parameters resharded after forward) are not seen:
-torch issues them from tensor hooks gradsync does not reach, so a rank slow in its backward
-makes its shard peers late with it, and the report names the shard group's ranks together.
+named. In backward the shard ranks meet again, in the all-gathers of parameters resharded after
+forward and in every group's reduce-scatter, both issued from torch's own autograd hooks. There
+gradsync times the collectives themselves: each module's all-gather and reduce-scatter is
+FSDP2's own, wrapped through FSDP2's ``set_custom_all_gather`` / ``set_custom_reduce_scatter``,
+and the time a call blocks inside backward is waiting too. (On CPU FSDP2 issues both
+synchronously; on a GPU a call returns once the collective is queued, and that wait shows in
+the stream instead.)
 
 The records travel in one small all-reduce over gradsync's ranks and one over the shard
 ranks at the end of each synchronised backward, each rank writing its own slots of a zeroed
@@ -34,6 +38,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.utils._pytree import tree_leaves
 
 from gradsync.failfast.deadline import Deadline
+from gradsync.fsdp.layout import wrap_collectives
 from gradsync.timing.slots import fields_per_rank
 from gradsync.timing.timeline import StepTimeline
 
@@ -58,6 +63,7 @@ class FSDPTimeline:
         self.recorder = self.timeline.recorder
         self.width = fields_per_rank(0)  # no buckets here: no launch times
         self.handles: list[Any] = []
+        self.in_backward = False  # FSDP2's collectives are timed as waiting there
         if not self.timeline.enabled:
             return
         clock = self.recorder.clock
@@ -67,8 +73,9 @@ class FSDPTimeline:
 
             def before(module: nn.Module, args: Any, arrived: list[Any] = arrived) -> None:
                 if torch.is_grad_enabled():
-                    if module is root:
+                    if module is root:  # also the end of a no-sync backward
                         self.recorder.forward_began()
+                        self.in_backward = False
                     arrived[:] = [clock.mark()]
 
             def gathered(module: nn.Module, args: Any, arrived: list[Any] = arrived) -> None:
@@ -78,6 +85,8 @@ class FSDPTimeline:
             self.handles.append(m.register_forward_pre_hook(before, prepend=True))
             self.handles.append(m.register_forward_pre_hook(gathered))
         self.handles.append(root.register_forward_hook(self._forward_ended, prepend=True))
+        for m in modules:
+            wrap_collectives(m, lambda inner: _Timed(inner, self))
 
     def _forward_ended(self, module: nn.Module, args: Any, output: Any) -> None:
         """The root's forward is done (before FSDP2's post-forward): its backward begins at
@@ -92,10 +101,12 @@ class FSDPTimeline:
 
     def _backward_began(self, grad: torch.Tensor) -> None:
         self.recorder.backward_began()
+        self.in_backward = True
 
     def exchange(self, across: Deadline, shard: Deadline, step: int) -> None:
         """End of synchronised backward ``step`` (counted from 0), its gradients reduced: every
         rank's record of the interval before it to every rank, then this interval ends."""
+        self.in_backward = False
         if not self.timeline.enabled:
             return
         size = self.timeline.world_size * self.width
@@ -114,3 +125,24 @@ class FSDPTimeline:
     def abandon(self) -> None:
         """A step that raised is not measured."""
         self.recorder.abandon()
+
+
+class _Timed:
+    """One of FSDP2's collectives (an all-gather or a reduce-scatter, FSDP2's own or one set
+    with ``set_custom_*``), the time a call blocks inside backward counted as waiting ([Note:
+    FSDP2's waits])."""
+
+    def __init__(self, inner: Any, owner: FSDPTimeline) -> None:
+        self.inner, self.owner = inner, owner
+
+    def allocate(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return self.inner.allocate(*args, **kwargs)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if not self.owner.in_backward or kwargs.get("async_op", False):
+            return self.inner(*args, **kwargs)
+        clock = self.owner.recorder.clock
+        begin = clock.mark()
+        work = self.inner(*args, **kwargs)
+        self.owner.recorder.waited("backward", begin, clock.mark())
+        return work
