@@ -20,6 +20,7 @@ from gradsync.fsdp import replicate_gradients
 from gradsync.testing import fsdp_run
 from gradsync.testing.fsdp_run import FSDPLayout
 from gradsync.testing.gpt import GPTConfig, lm_loss
+from gradsync.testing.log_lines import LogLines
 from gradsync.testing.mesh_run import random_batches
 from gradsync.testing.spawn import spawn
 
@@ -28,15 +29,6 @@ LAYOUT = FSDPLayout(replicate=2, shard=2)
 SLOW_RANK, SLEEP = 1, 0.05  # rank 1's shard peer is rank 0, its replica ranks 2 and 3
 MICRO = {"forward": 1, "backward": 1, "data": 2, "none": 1}  # micro-batches per step (all but
 # the last no-sync)
-
-
-class Lines(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.INFO)
-        self.lines: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(record.getMessage())
 
 
 def _train(rank: int, mesh: Any, where: str, steps: int, every: int = 10) -> dict[str, Any]:
@@ -56,7 +48,7 @@ def _train(rank: int, mesh: Any, where: str, steps: int, every: int = 10) -> dic
                 out.register_hook(lambda g: time.sleep(SLEEP))
 
         model.blocks[1].register_forward_hook(sleep_in_backward)
-    handler = Lines()
+    handler = LogLines(logging.INFO)
     logger = logging.getLogger("gradsync.stragglers")
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)

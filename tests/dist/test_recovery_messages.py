@@ -23,16 +23,8 @@ from torch.utils.data import DataLoader, TensorDataset
 import gradsync
 from gradsync.data import GlobalBatchSampler
 from gradsync.recovery import NoRecoveryError, Recovery
+from gradsync.testing.log_lines import LogLines
 from gradsync.testing.spawn import RankFailure, spawn
-
-
-class _Lines(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__()
-        self.lines: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(record.getMessage())
 
 
 def _store_host_lost(rank: int, world: int) -> dict:
@@ -46,7 +38,7 @@ def _store_host_lost(rank: int, world: int) -> dict:
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port[0]),
     )
-    lines = _Lines()
+    lines = LogLines()
     logging.getLogger("gradsync.recovery").addHandler(lines)
     x = torch.randn(24, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
     data = TensorDataset(x, x.sum(1, keepdim=True))

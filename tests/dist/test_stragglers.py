@@ -25,21 +25,13 @@ import torch
 from torch import nn
 
 import gradsync
+from gradsync.testing.log_lines import LogLines
 from gradsync.testing.spawn import spawn
 
 SLOW_RANK, SLEEP = 2, 0.05
 STALL_RANK, STALL, STALL_STEPS = 1, 0.15, (3, 7)  # sleeps STALL s in these steps of every 10
 MICRO = {"data": 2, "backward": 2, "forward": 1, "optimizer": 1}  # micro-batches per step
 PAD, PERIODIC = 0.015, 0.036  # every rank's step padded (s); rank STALL_RANK's 5th-step stall
-
-
-class Lines(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.INFO)
-        self.lines: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(record.getMessage())
 
 
 def _net() -> nn.Module:
@@ -63,7 +55,7 @@ def _train(rank: int, where: str, steps: int, micro: int = 1) -> dict[str, Any]:
     step = 0
     if rank == STALL_RANK and where == "periodic":  # in steps 1, 6, 11, ...: 2 in every report
         net[2].register_forward_hook(lambda *a: time.sleep(PERIODIC) if step % 5 == 1 else None)
-    handler = Lines()
+    handler = LogLines(logging.INFO)
     logging.getLogger("gradsync.stragglers").addHandler(handler)
     logging.getLogger("gradsync.stragglers").setLevel(logging.INFO)
     reports = []
