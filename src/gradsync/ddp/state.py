@@ -77,8 +77,9 @@ class DDPState:
         """Make the replicas equal as ``equal_by`` says (a collective), then plan the buckets."""
         named_params, named_buffers = self.named_parameters(), self.named_buffers()
         settings = equal_by.settings(mesh_axes)
-        equal = named_params, named_buffers, equal_by, settings, self.deadline, known_same
-        make_replicas_equal(*equal)
+        make_replicas_equal(
+            named_params, named_buffers, equal_by, settings, self.deadline, known_same=known_same
+        )
         self.buffers = [b for _, b in named_buffers]
         watch = ParameterWatch(self.module, self.ignore)
         args = watch, self.options, self.deadline, self.mode, self.layouts, self.module, mesh_axes

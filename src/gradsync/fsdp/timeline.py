@@ -84,9 +84,8 @@ class FSDPTimeline:
 
             self.handles.append(m.register_forward_pre_hook(before, prepend=True))
             self.handles.append(m.register_forward_pre_hook(gathered))
-        self.handles.append(root.register_forward_hook(self._forward_ended, prepend=True))
-        for m in modules:
             wrap_collectives(m, lambda inner: _Timed(inner, self))
+        self.handles.append(root.register_forward_hook(self._forward_ended, prepend=True))
 
     def _forward_ended(self, module: nn.Module, args: Any, output: Any) -> None:
         """The root's forward is done (before FSDP2's post-forward): its backward begins at

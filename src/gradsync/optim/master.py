@@ -58,6 +58,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from gradsync.errors import CheckpointError, UsageError
 from gradsync.optim import agree, clip
@@ -107,7 +108,7 @@ class MasterWeights:
         groups = []
         for group in _param_groups(params):
             trainable = [p for p in group["params"] if p.requires_grad]
-            if any(hasattr(p, "device_mesh") for p in trainable):  # a DTensor: no foreach copy
+            if any(isinstance(p, DTensor) for p in trainable):  # no foreach copy into one
                 raise UsageError(
                     "MasterWeights does not take DTensor parameters (fully_shard, tensor "
                     "parallelism); with fully_shard keep fp32 parameters and compute in bf16 "

@@ -300,7 +300,7 @@ class Recovery:
         publish_process(self.store, scope, me.rank)
         self.heartbeat.beat_as(scope, me.rank, me.world_size, begun_key(scope))
 
-    def _continue_on_the_new_group(self, from_rank_0: bool = False, compared: bool = False):
+    def _continue_on_the_new_group(self, from_rank_0: bool = False, compared: bool = False) -> None:
         """The wrapper (its replicas checked equal, or made rank 0's), the checkpointer and
         the sampler, over the new default group. ``compared``: every survivor completed the
         step in which the first batches were compared (an agreed fact: it skips the check)."""

@@ -160,7 +160,7 @@ def lose_a_rank(
     signalled = float(store.get("bench/signalled").decode().split()[0])
     dist.barrier()  # rank 0's process holds the store: it ends last
     out: dict[str, Any] = {"done": done, "events": recovery.events, "signalled": signalled}
-    out["batch_checks"] = batch_checks and len(batch_checks)
+    out["batch_checks"] = None if batch_checks is None else len(batch_checks)
     out["params"] = {n: p.detach().clone() for n, p in ddp.module.named_parameters()}
     if recovery.changes:
         out.update(_store_ops(store.ops, recovery.events[0], started))

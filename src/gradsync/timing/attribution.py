@@ -229,6 +229,15 @@ def _straggler(
     }
 
 
+def _just_before(history: Window, lateness: Lateness, steps: Window) -> list[dict[int, float]]:
+    """Every rank's lateness in the window's length of ``history`` just before the window's
+    first step: where a stall must have been seen already to recur."""
+    if not steps:
+        return []
+    earlier = [lateness[s] for s, _ in history if s < steps[0][0]]
+    return earlier[-len(steps) :]
+
+
 def attribute(
     window: Window, thresholds: Thresholds = Thresholds(), reference: Window | None = None
 ) -> dict[str, Any]:
@@ -249,9 +258,7 @@ def attribute(
         ranks[r]["bucket_late_ms"] = bucket_late
     noise = _noise(history, lateness, thresholds.noise_quantile)
     per_step = [lateness[s] for s, _ in steps]
-    first = steps[0][0] if steps else 0
-    before = None if reference is None else [lateness[s] for s, _ in history if s < first]
-    before = before[-len(steps) :] if before else before
+    before = None if reference is None else _just_before(history, lateness, steps)
     stragglers, stalls = [], []
     for r, entry in ranks.items():
         # what the others spent waiting for it: its lateness summed over the steps it was late in
