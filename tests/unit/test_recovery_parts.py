@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+from torch.distributed.device_mesh import init_device_mesh
 
 import gradsync
 from gradsync.data import GlobalBatchSampler
@@ -276,3 +277,30 @@ def test_a_process_that_exits_while_its_stat_is_read_is_gone(
 
     monkeypatch.setattr(liveness.Path, "read_text", exiting)
     assert process_state(gone) == "gone"
+
+
+@pytest.mark.usefixtures("one_rank")
+def test_recovery_on_a_mesh_splits_over_replicas_and_refuses_what_it_cannot_rebuild() -> None:
+    mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp", "tp"))
+    model = gradsync.DistributedDataParallel(
+        nn.Linear(2, 2), device_mesh=mesh["dp"], reduction="item_mean"
+    )
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    recovery = Recovery(model, opt, GlobalBatchSampler(range(8), 4, num_replicas=1, rank=0))
+    assert recovery.replicas.axis == "dp" and not recovery.replicas.commits
+    with pytest.raises(gradsync.UsageError, match=r"replicas of mesh axis 'dp'.*num_replicas=1"):
+        Recovery(model, opt, GlobalBatchSampler(range(8), 4, num_replicas=2, rank=1))
+    with pytest.raises(gradsync.UsageError, match="covers neither a replacement joining"):
+        Recovery(model, opt, GlobalBatchSampler(range(8), 4), join="127.0.0.1:1")
+    zero = gradsync.DistributedDataParallel(
+        nn.Linear(2, 2), device_mesh=mesh["dp"], reduction="item_mean"
+    )
+    with pytest.raises(gradsync.UsageError, match="nor ZeRO-1"):
+        Recovery(
+            zero, zero.shard_optimizer(torch.optim.SGD, lr=0.1), GlobalBatchSampler(range(8), 4)
+        )
+    own = gradsync.DistributedDataParallel(
+        nn.Linear(2, 2), process_group=dist.new_group([0]), reduction="item_mean"
+    )
+    with pytest.raises(gradsync.UsageError, match="not over a process group of its own"):
+        Recovery(own, opt, GlobalBatchSampler(range(8), 4))

@@ -91,6 +91,7 @@ class DDPState:
         self,
         deadline: Deadline,
         layouts: Sequence[GradLayout | None],
+        mesh_axes: tuple[str, ...],
         from_rank_0: bool,
         batches_compared: bool,
     ) -> None:
@@ -101,11 +102,11 @@ class DDPState:
         self.deadline, self.layouts = deadline, list(layouts)
         self.timeline = StepTimeline.of(self.options.straggler_every, deadline)
         if from_rank_0:  # newcomers: the model check, then rank 0's state, as at construction
-            plan, watch = self._plan(self.options, ())
+            plan, watch = self._plan(self.options, mesh_axes)
         else:  # survivors, checked together at construction (a changed parameter set would
             # have been refused at a step since): only that the replicas are equal
             checked = dataclasses.replace(self.options, init_sync=False, init_sync_buffers=False)
-            plan, watch = self._plan(checked, (), known_same=True)
+            plan, watch = self._plan(checked, mesh_axes, known_same=True)
         self.reducer.regroup(watch, plan, deadline, self.timeline, layouts)
         if self.sharded is not None:  # its slices already cut for the new group
             names = dict(zip(map(id, self.reducer.params), self.reducer.names, strict=True))

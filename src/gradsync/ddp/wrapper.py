@@ -157,13 +157,16 @@ class DistributedDataParallel(TorchSurface, TorchDDP):  # type: ignore[override,
         ``first_batches_compared``: every member knows that all compared their first batches
         (one gather fewer); it must be the same on every rank."""
         state = self._state
-        if self.device_mesh is not None or state.torch_hook:
-            raise UsageError("regroup() covers no mesh or comm hook (per-rank state)")
-        self.process_group = dist.group.WORLD  # type: ignore[assignment]
+        if state.torch_hook:
+            raise UsageError("regroup() covers no comm hook (per-rank state)")
+        # a mesh: laid out again in place over the new default group (mesh/rebuild.py)
+        group = data_parallel_group(None, self.device_mesh) or dist.group.WORLD
+        self.process_group = group  # type: ignore[assignment]
         where, name = torch_args.module_device(self.module), "the regrouped DDP"
-        deadline = Deadline.for_group(self.process_group, self.options.timeout, name, where)
-        layouts = grad_layouts(state.named_parameters(), self.process_group)
-        state.regroup(deadline, layouts, from_rank_0, first_batches_compared)
+        deadline = Deadline.for_group(group, self.options.timeout, name, where)
+        layouts = grad_layouts(state.named_parameters(), group)
+        axes = axis_names(self.device_mesh)
+        state.regroup(deadline, layouts, axes, from_rank_0, first_batches_compared)
 
     # -- the settings, as torch DDP exposes them (read-only: they must agree across ranks) ----
     reduction, broadcast_buffers, compression, timeout = Setting(), Setting(), Setting(), Setting()

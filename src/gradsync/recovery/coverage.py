@@ -25,8 +25,19 @@ def check_covered(model: Any, optimizer: Any, sampler: Any, join: str | None = N
         )
     if not isinstance(model, DistributedDataParallel):
         raise UsageError("Recovery needs a gradsync.DistributedDataParallel model")
-    if model.device_mesh is not None or model.process_group not in (None, dist.group.WORLD):
-        raise UsageError("Recovery covers a wrapper over the default process group only")
+    mesh = model.device_mesh
+    if mesh is None and model.process_group not in (None, dist.group.WORLD):
+        raise UsageError(
+            "Recovery covers a wrapper over the default process group or a device mesh's "
+            "data-parallel axes (device_mesh=), not over a process group of its own"
+        )
+    if mesh is not None and (join or isinstance(optimizer, ShardedOptimizer)):
+        raise UsageError(
+            "Recovery over a device mesh goes on without lost replicas, but covers neither "
+            "a replacement joining (it would have to join as a whole replica) nor ZeRO-1 "
+            "(its slices are cut over the default group); restart the job from its newest "
+            "checkpoint instead"
+        )
     if isinstance(optimizer, ShardedOptimizer):
         _check_sharded(model, optimizer, join)
     if model.compression is not None:

@@ -62,6 +62,7 @@ from gradsync.recovery.membership import (
 )
 from gradsync.recovery.notice import lost_a_peer, regroup_failed, where_noticed
 from gradsync.recovery.regroup import close_groups, job_store, regroup
+from gradsync.recovery.replicas import Replicas
 from gradsync.recovery.rollback import StepStart
 from gradsync.recovery.zero import steps_for
 
@@ -90,11 +91,9 @@ class Step:
     def all_reduce(self, tensor: torch.Tensor, op: Any = dist.ReduceOp.SUM) -> torch.Tensor:
         """``dist.all_reduce(tensor, op)`` over the current members, in place, for the loop's
         own agreements inside ``with step:`` (a loss to log, a vote to stop early). A peer lost
-        meanwhile ends it as it ends gradsync's own collectives: at once, when another survivor
-        has begun to regroup. Torch's call would wait out the backend's timeout, the survivors
-        would take this rank for stuck, and the job would take the restart path. The step's
-        number travels with the tensor: ranks at different steps raise ``DesyncError``
-        (``collectives.py``)."""
+        meanwhile ends it at once, when another survivor has begun to regroup (torch's call
+        would wait out the backend's timeout, and the job take the restart path). Ranks at
+        different steps raise ``DesyncError`` (``collectives.py``)."""
         timeout = self.recovery.model.options.timeout
         return stamped_all_reduce(tensor, op, self.number, self.recovery, timeout)
 
@@ -107,17 +106,19 @@ class Step:
             self.recovery._completed(self)
             self.completed = True
             return False
-        if not lost_a_peer(exc):
-            return False
-        self.recovery._recover(self, exc)
-        return True  # the loop hands out the step to redo
+        recovery = self.recovery  # a collective's error, or on a mesh a model's own (replicas.py)
+        if lost_a_peer(exc) or recovery.replicas.lost_inside(exc, recovery.begun, recovery.window):
+            recovery._recover(self, exc)
+            return True  # the loop hands out the step to redo
+        return False
 
 
 class Recovery:
     """In-process recovery from lost ranks for a loop over :class:`GlobalBatchSampler` steps.
 
     Args:
-        model: a :class:`gradsync.DistributedDataParallel` over the default process group.
+        model: a :class:`gradsync.DistributedDataParallel` over the default process group, or
+            over a device mesh's data-parallel axes ([Note: a mesh under Recovery]).
         optimizer: the optimizer stepped once per step; ZeRO-1's from ``model.shard_optimizer``
             is covered: each rank mirrors the next one's slices ([Note: ZeRO-1 under Recovery]).
         sampler: the :class:`GlobalBatchSampler` that defines every step's global batch.
@@ -157,6 +158,8 @@ class Recovery:
         self.completed = sampler.epoch * sampler.steps_per_epoch + sampler.step
         self._compared_at = self.completed  # the step whose forward compared the first batches
         self.optimizer_steps = steps_for(model, optimizer)  # ZeRO-1: its mirrors (zero.py)
+        self.replicas = Replicas(model, sampler)  # what a loss takes whole (a mesh's replicas)
+        self.replicas.commit_steps(self.optimizer_steps, weakref.proxy(self), model.options.timeout)
         weakref.finalize(self, self.optimizer_steps.remove)  # its hooks serve this object alone
         self._starts: dict[int, StepStart] = {}
         # kept: it outlives every group; a replacement joins with GRADSYNC_JOIN=store_address
@@ -293,6 +296,7 @@ class Recovery:
         scope, timeout = self._generation_key(), self.model.options.timeout
         self._publish()  # before the new group: every member has, once it is up
         regroup(self.store, scope, new.rank, new.world_size, backend, timeout)
+        self.replicas.regroup(new.members)
 
     def _publish(self) -> None:
         """This process and its heartbeat, under the current generation's keys."""
@@ -307,7 +311,7 @@ class Recovery:
         self.model.regroup(from_rank_0, first_batches_compared=compared)
         if self.checkpointer is not None:
             self.checkpointer.regroup()
-        self.sampler.reshard(self.membership.world_size, self.membership.rank)
+        self.sampler.reshard(*self.replicas.share(self.membership))
 
     # -- healing ([Note: joining a running job] in heal.py) ------------------------------------
     def _join(self, timeout: float) -> None:
@@ -384,11 +388,12 @@ class Recovery:
         self._continue_on_the_new_group(from_rank_0=True)
 
     def _check_can_go_on(self, new: Membership, target: int, lost: dict[int, Any]) -> None:
+        replicas = self.replicas.left_after(set(lost), new.world_size)
         why = None
         if new.world_size < self.min_world_size:
             why = f"{new.world_size} rank(s) left, fewer than min_world_size={self.min_world_size}"
-        elif new.world_size > self.sampler.global_batch_size:
-            why = "more ranks than samples in a global batch"
+        elif replicas > self.sampler.global_batch_size:
+            why = "more replicas than samples in a global batch"
         elif target not in self._starts:
             why = f"step {target}'s start is not kept on rank {new.rank} (a step behind)"
         if why:

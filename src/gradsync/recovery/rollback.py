@@ -103,6 +103,10 @@ class OptimizerSteps:
         self.replay: int | None = None  # the step to run with optimizer.step() skipped
         self._skipping: tuple[Any] | None = None  # what the skip replaced: (instance step,)
         self._counted = False  # whether the optimizer step under way is one of the loop's
+        # On a mesh, a collective before each of the loop's optimizer steps, and the step's
+        # gradients kept from it ([Note: a mesh under Recovery] in replicas.py)
+        self.commit: Callable[[int], object] | None = None
+        self._committing: tuple[int, list[torch.Tensor | None]] | None = None
         self._handles = [
             optimizer.register_step_pre_hook(lambda *_: self._before_step()),
             optimizer.register_step_post_hook(lambda *_: self._after_step()),
@@ -115,15 +119,19 @@ class OptimizerSteps:
                 f"the optimizer stepped twice in step {self.step}: Recovery redoes a step "
                 "exactly only with one optimizer.step() per step"
             )
+        if self._counted and self.commit is not None:
+            assert self.step is not None
+            self._committing = (self.step, [p.grad for p in self._params()])
+            self.commit(self.step)
 
     def _after_step(self) -> None:
         if self._counted:
-            self.stepped_in = self.step
+            self.stepped_in, self._committing = self.step, None
 
     def begin(self, step: int) -> None:
         """Step ``step`` begins: skip its optimizer step if it is the one to replay."""
         self.end()
-        self.step = step
+        self.step, self._committing = step, None
         if self.replay == step:
             # An instance attribute shadows the class's step for this object only, and is found
             # by every caller (an LR scheduler's wrapper, GradScaler.step) at call time.
@@ -154,9 +162,33 @@ class OptimizerSteps:
         self.replay = None if holder is None else target
         if holder is None:
             return
-        if any(reports[r].stepped != target for r in order):  # the loss split them
+        if self.commit is not None:  # every member got past the commit or entered it
+            if self.stepped_in != target:
+                self._step_from_commit(target)
+        elif any(reports[r].stepped != target for r in order):  # the loss split them
             share_step_result(module, self.optimizer, holder, self.stepped_in != target)
         self.stepped_in = target
+
+    def _step_from_commit(self, target: int) -> None:
+        """Another member got past step ``target``'s commit, so this one entered it with the
+        step's gradients: the optimizer steps from them now, as it would have."""
+        if self._committing is None or self._committing[0] != target:
+            raise NoRecoveryError(
+                f"a survivor stepped its optimizer in step {target}, but this rank did not "
+                "reach that step's commit: the step's result is not on every rank"
+            )
+        params, (_, grads) = self._params(), self._committing
+        for p, g in zip(params, grads, strict=True):
+            p.grad = g
+        try:
+            self.optimizer.step()  # outside a step of the loop: no commit, not counted
+        finally:
+            for p in params:
+                p.grad = None
+            self._committing = None
+
+    def _params(self) -> list[torch.Tensor]:
+        return [p for group in self.optimizer.param_groups for p in group["params"]]
 
     def remove(self) -> None:
         self.end()

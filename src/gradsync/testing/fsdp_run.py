@@ -58,7 +58,7 @@ def make_model(cfg: GPTConfig, mesh: DeviceMesh, dtype: torch.dtype, seed: int =
     torch.manual_seed(seed)
     model = GPT(cfg).to(dtype)
     if mesh["cp"].size() > 1:
-        enable_context_parallel(model, ContextParallel(mesh["cp"].get_group()))
+        enable_context_parallel(model, ContextParallel(mesh["cp"]))
     return model
 
 

@@ -79,16 +79,18 @@ def make_model(cfg: GPTConfig, mesh: DeviceMesh, seed: int, dtype: torch.dtype) 
     if mesh["tp"].size() > 1:
         apply_tensor_parallel(model, mesh["tp"])
     if mesh["cp"].size() > 1:
-        enable_context_parallel(model, ContextParallel(mesh["cp"].get_group()))
+        enable_context_parallel(model, ContextParallel(mesh["cp"]))
     return model
 
 
-def rank_part(batch: Batch, mesh: DeviceMesh) -> Batch:
-    """This rank's rows (by dp coordinate) and chunk of each sequence (by cp coordinate)."""
+def rank_part(batch: Batch, mesh: DeviceMesh, rows: bool = True) -> Batch:
+    """This rank's rows (by dp coordinate; all of them without ``rows``: a sampler already
+    took the replica's) and chunk of each sequence (by cp coordinate)."""
     out = []
     for t in batch:
-        rows = t.chunk(mesh["dp"].size(), dim=0)[mesh["dp"].get_local_rank()]
-        out.append(rows.chunk(mesh["cp"].size(), dim=1)[mesh["cp"].get_local_rank()])
+        if rows:
+            t = t.chunk(mesh["dp"].size(), dim=0)[mesh["dp"].get_local_rank()]
+        out.append(t.chunk(mesh["cp"].size(), dim=1)[mesh["cp"].get_local_rank()])
     return out[0], out[1]
 
 

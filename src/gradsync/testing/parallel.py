@@ -46,12 +46,26 @@ class _GatherChunks(torch.autograd.Function):
 
 
 class ContextParallel:
-    """This rank's place in a context-parallel group: which chunk of each sequence it holds."""
+    """This rank's place in a context-parallel mesh axis: which chunk of each sequence it holds.
 
-    def __init__(self, group: dist.ProcessGroup) -> None:
-        self.group = group
-        self.rank = dist.get_rank(group)
-        self.size = dist.get_world_size(group)
+    It holds the 1-D mesh, not its process group, and asks the mesh for the group at each
+    use: a mesh laid out again after a lost replica ([Note: a mesh rebuilt in place]) has new
+    groups, and this rank keeps its place on the axis."""
+
+    def __init__(self, mesh: Any) -> None:
+        self.mesh = mesh
+
+    @property
+    def group(self) -> dist.ProcessGroup:
+        return self.mesh.get_group()
+
+    @property
+    def rank(self) -> int:
+        return self.mesh.get_local_rank()
+
+    @property
+    def size(self) -> int:
+        return self.mesh.size()
 
     def start(self, chunk_len: int) -> int:
         """Position of this rank's first token in the full sequence."""
