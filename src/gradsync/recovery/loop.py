@@ -254,7 +254,7 @@ class Recovery:
         report = Report(self.completed, phase, steps.stepped_in)
         try:
             announce(self.store, self._generation_key())  # wakes survivors still waiting
-            backend = close_groups()
+            backend = close_groups(self.replicas.inner_groups())  # wakes a peer waiting there
             new, lost = agree(self.store, self._generation_key(), me, report, self.window)
             agreed = time.time()
             target = min(r.done for r in new.reports.values())

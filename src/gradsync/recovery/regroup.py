@@ -21,6 +21,10 @@ collectives outside gradsync are the user's to re-create over the new default gr
 from __future__ import annotations
 
 import os
+import sys
+import threading
+import time
+from collections.abc import Sequence
 from datetime import timedelta
 
 import torch.distributed as dist
@@ -29,22 +33,47 @@ import torch.distributed as dist
 _retired: list[dist.ProcessGroup] = []
 
 
-def close_groups() -> str:
+def close_groups(close: Sequence[dist.ProcessGroup] = ()) -> str:
     """Tear down every process group of this process (aborting NCCL communicators first, which
     would otherwise wait on the dead); returns the default group's backend.
 
     A gloo group's destructor joins its worker threads, and a thread may still be inside a
     collective that a live peer left (its own destructor waiting on the same): destroyed now,
     the two would wait on each other until the group's timeout. Kept referenced here, the
-    groups are only unregistered; their threads end with that timeout, in the background."""
+    groups are only unregistered; their threads end with that timeout, in the background.
+    The groups in ``close`` are destroyed instead, on a thread of their own: groups whose
+    members all live (a mesh replica's own, [Note: a mesh under Recovery]), where a peer
+    waiting in one of their collectives for this rank must see its connections close."""
     backend = str(dist.get_backend())
     groups = list(dist.distributed_c10d._world.pg_map)
     if backend == "nccl":
         for group in groups:
             dist.distributed_c10d._abort_process_group(group)
-    _retired.extend(groups)
+    closing = [g for g in groups if any(g is c for c in close)]
+    _retired.extend(g for g in groups if not any(g is c for c in closing))
     dist.destroy_process_group()
+    if closing:
+        _destroy_in_background(closing)
     return backend
+
+
+def _destroy_in_background(groups: list[dist.ProcessGroup]) -> None:
+    """Drop ``groups`` on a thread that waits to hold their last references (the caller's go
+    when it returns), so that their destructors, which close the connections and may wait for
+    a worker thread, run there and not in the training loop."""
+
+    def destroy() -> None:
+        give_up = time.monotonic() + 60.0
+        while time.monotonic() < give_up and any(sys.getrefcount(g) > _HELD for g in groups):
+            time.sleep(0.005)
+        groups.clear()
+
+    threading.Thread(target=destroy, name="gradsync-close-groups", daemon=True).start()
+
+
+# sys.getrefcount of a group held only by destroy()'s list: the list, the generator's
+# variable and the call's argument
+_HELD = 3
 
 
 def job_store(join: str | None) -> tuple[dist.Store, str | None]:

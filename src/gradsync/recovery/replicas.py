@@ -29,6 +29,12 @@ replicas in the same processes:
    stepped or entered the commit with the step's gradients in ``.grad``, and steps from them
    now (``OptimizerSteps.commit`` in ``rollback.py``). The commit costs one small all-reduce
    per step, and only where the data-parallel group is not the whole job.
+5. The collectives a model issues inside its replica (DTensor's, or context parallelism's) are
+   not gradsync's: no deadline waits on them. A survivor that begins to regroup destroys its
+   groups inside the replica at once, so a peer waiting there for it (one that got past a
+   commit it saw fail, and went on to the next forward) sees the connections close; and the
+   plain ``RuntimeError`` gloo then raises ends the step as a lost peer once a regroup has
+   begun (:meth:`Replicas.lost_inside`).
 """
 
 from __future__ import annotations
@@ -43,7 +49,7 @@ import torch.distributed as dist
 
 from gradsync.errors import UsageError
 from gradsync.failfast.deadline import RegroupWatch
-from gradsync.mesh.rebuild import rebuild_in_place
+from gradsync.mesh.rebuild import flattened_axes, rebuild_in_place
 from gradsync.recovery.collectives import stamped_all_reduce
 from gradsync.recovery.membership import Membership, NoRecoveryError
 from gradsync.recovery.rollback import OptimizerSteps
@@ -109,6 +115,20 @@ class Replicas:
                 return False
             time.sleep(0.01)
         return True
+
+    def inner_groups(self) -> list[dist.ProcessGroup]:
+        """The mesh's groups inside one replica (the axes but the replicas', and flattened
+        meshes of them), taken out of the mesh: this rank's peers in them all live, and one
+        may be waiting in their collective for this rank, now regrouping. Destroyed rather than
+        kept (``close_groups``), they close their connections, and the peer's wait raises."""
+        if self.root is None:
+            return []
+        root, registry = self.root, self.root._pg_registry
+        names = [n for i, n in enumerate(root._dim_group_names) if i != self.dim]
+        for flat, axes in flattened_axes(root).items():
+            if self.axis not in axes:
+                names.append(root._flatten_mapping[flat]._dim_group_names[0])
+        return [registry.pop(n) for n in names if n in registry]
 
     def _ranks(self) -> torch.Tensor:
         """The mesh's ranks (of the current default group), replicas along the first axis."""
