@@ -29,17 +29,37 @@ def stamped_all_reduce(
     """``dist.all_reduce(tensor, op)`` over the default group, in place, for step ``number``,
     waited for as gradsync's own collectives are (``watch``: give up once a regroup began);
     :class:`DesyncError` on every rank if the ranks are at different steps."""
-    stamps = torch.zeros(dist.get_world_size(), dtype=torch.int64, device=tensor.device)
+    _stamped(tensor, op, number, watch, timeout, ("all_reduce", "step.all_reduce"))
+    return tensor
+
+
+def stamped_barrier(number: int, watch: RegroupWatch, timeout: timedelta) -> None:
+    """The stamps alone, waited for the same way: every rank has reached step ``number``'s
+    call (the step's commit on a mesh, ``recovery/replicas.py``)."""
+    _stamped(None, None, number, watch, timeout, ("commit", "the step's commit"))
+
+
+def _stamped(
+    tensor: torch.Tensor | None,
+    op: Any,
+    number: int,
+    watch: RegroupWatch,
+    timeout: timedelta,
+    what: tuple[str, str],
+) -> None:
+    device = None if tensor is None else tensor.device
+    stamps = torch.zeros(dist.get_world_size(), dtype=torch.int64, device=device)
     stamps[dist.get_rank()] = number + 1  # zero: no rank's
-    works = [dist.all_reduce(stamps, async_op=True), dist.all_reduce(tensor, op=op, async_op=True)]
+    works = [dist.all_reduce(stamps, async_op=True)]
+    if tensor is not None:
+        works.append(dist.all_reduce(tensor, op=op, async_op=True))
     try:
         for work in works:
             assert work is not None
             wait_watching(work, watch, timeout)
     except RuntimeError as exc:
-        raise CollectiveTimeoutError(f"step {number}'s all_reduce: {exc}") from exc
+        raise CollectiveTimeoutError(f"step {number}'s {what[0]}: {exc}") from exc
     numbers = [int(v) - 1 if v else None for v in stamps.tolist()]
-    mismatch = steps_differ(numbers, "step.all_reduce")
+    mismatch = steps_differ(numbers, what[1])
     if mismatch is not None:
         raise DesyncError(f"{mismatch} (seen from rank {dist.get_rank()})")
-    return tensor

@@ -50,7 +50,7 @@ import torch.distributed as dist
 from gradsync.errors import UsageError
 from gradsync.failfast.deadline import RegroupWatch
 from gradsync.mesh.rebuild import flattened_axes, rebuild_in_place
-from gradsync.recovery.collectives import stamped_all_reduce
+from gradsync.recovery.collectives import stamped_barrier
 from gradsync.recovery.membership import Membership, NoRecoveryError
 from gradsync.recovery.rollback import OptimizerSteps
 
@@ -77,9 +77,8 @@ class Replicas:
         """Where the data-parallel group is not the whole job: each of the loop's optimizer
         steps begins with a commit, an all-reduce over every rank; the optimizer step then
         issues no collective, and a rank past the commit steps whatever happens to others."""
-        if self.commits:
-            zero = torch.zeros(1)
-            steps.commit = lambda n: stamped_all_reduce(zero, dist.ReduceOp.SUM, n, watch, timeout)
+        if self.commits:  # the step's stamps alone: every rank reached it
+            steps.commit = lambda n: stamped_barrier(n, watch, timeout)
 
     def share(self, me: Membership) -> tuple[int, int]:
         """``(num_replicas, rank)`` for the sampler: this rank's replica among the replicas."""
