@@ -295,6 +295,11 @@ def test_recovery_on_a_mesh_splits_over_replicas_and_refuses_what_it_cannot_rebu
     zero = gradsync.DistributedDataParallel(
         nn.Linear(2, 2), device_mesh=mesh["dp"], reduction="item_mean"
     )
+    flat = gradsync.DistributedDataParallel(
+        nn.Linear(2, 2), device_mesh=mesh["dp", "tp"]._flatten(), reduction="item_mean"
+    )
+    with pytest.raises(gradsync.UsageError, match="not the flattened 'dp_tp'"):
+        Recovery(flat, opt, GlobalBatchSampler(range(8), 4))
     with pytest.raises(gradsync.UsageError, match="nor ZeRO-1"):
         Recovery(
             zero, zero.shard_optimizer(torch.optim.SGD, lr=0.1), GlobalBatchSampler(range(8), 4)

@@ -68,6 +68,11 @@ class Replicas:
         if not mesh.mesh_dim_names or not self.root.mesh_dim_names:
             raise UsageError("Recovery over a device mesh needs its axes named (mesh_dim_names)")
         self.axis = mesh.mesh_dim_names[0]
+        if self.axis not in self.root.mesh_dim_names:
+            raise UsageError(
+                f"Recovery over a device mesh needs the data-parallel axes as a slice of the "
+                f"root mesh (mesh['dp'] or mesh['dp', 'cp']), not the flattened {self.axis!r}"
+            )
         self.dim = self.root.mesh_dim_names.index(self.axis)
         # other ranks than the data-parallel group's hold parts of the model (tensor parallel)
         self.commits = dist.get_world_size(model.process_group) < dist.get_world_size()
@@ -84,13 +89,17 @@ class Replicas:
         """``(num_replicas, rank)`` for the sampler: this rank's replica among the replicas."""
         if self.root is None:
             return me.world_size, me.rank
+        return self._replica()
+
+    def _replica(self) -> tuple[int, int]:
+        assert self.root is not None
         return self.root.size(self.dim), self.root.get_local_rank(self.axis)
 
     def check_sampler(self, sampler: Any) -> None:
         """On a mesh: :class:`UsageError` unless ``sampler`` splits over the replicas."""
         if self.root is None:
             return
-        want = self.root.size(self.dim), self.root.get_local_rank(self.axis)
+        want = self._replica()
         if (sampler.num_replicas, sampler.rank) != want:
             raise UsageError(
                 f"Recovery splits each global batch over the {want[0]} replicas of mesh axis "
