@@ -8,13 +8,14 @@ survivors go on at one replica fewer in the same processes, their mesh laid out 
 (the DTensor parameters, their optimizer state and the tensor-parallel hooks keep working), and
 end equal to one process on the same global batches (1e-12), every sample of a step used once.
 
-On dp 3 x tp 2 the first replica dies after the step's commit, where the ranks of another
-replica report a failure as ranks whose commit failed would: the third replica stepped, so they
-step from the gradients they hold. The second replica dies inside backward: no rank had
-stepped, and the step is redone. On
+On dp 3 x tp 2 the first replica dies after the step's commit, where rank 2 reports a failure
+as a rank whose commit failed would: the others stepped (its tensor-parallel peer goes on to
+wait for it in the next forward, until rank 2's groups close), so it steps from the gradients
+it holds. The second replica dies inside backward: no rank had stepped, and the step is
+redone. In the deterministic mode the same run ends with the bits of dp 1 x tp 2; in the
+default mode the survivors' checkpoint resumes a dp 2 x tp 2 job equal to one process. On
 dp 2 x cp 2 a replica dies inside backward. On dp 2 x tp 2 a single tensor-parallel rank dies:
-its shard is nowhere else, and every survivor takes the restart path, naming the ranks.
-In the deterministic mode the same dp x tp run ends with the bits of dp 1 x tp 2. Fresh
+its shard is nowhere else, and every survivor takes the restart path, naming the ranks. Fresh
 processes: a rank that kills itself is the point.
 """
 
@@ -30,6 +31,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 import gradsync
+from gradsync.checkpoint import Checkpointer
 from gradsync.data import GlobalBatchSampler
 from gradsync.errors import CollectiveTimeoutError
 from gradsync.recovery import NoRecoveryError, Recovery
@@ -60,10 +62,17 @@ def _optimizer(params) -> tuple[torch.optim.Optimizer, object]:  # type: ignore[
 
 
 def _train(
-    rank: int, world: int, layout: Layout, deaths: dict, split: tuple | None, leaves: bool = False
+    rank: int,
+    world: int,
+    layout: Layout,
+    deaths: dict,
+    split: tuple | None,
+    leaves: bool = False,
+    folder: str | None = None,
 ) -> dict:
     """``deaths``: original rank -> (step, where); ``split``: (ranks, step) that fail after
-    the step's commit without stepping, as ranks whose commit raised where others' completed."""
+    the step's commit without stepping, as ranks whose commit raised where others' completed;
+    ``folder``: a ``Checkpointer``'s, loaded first and saved to after step 3."""
     mesh = layout.build_mesh()
     model = mesh_run.make_model(CFG, mesh, seed=0, dtype=DTYPE)
     ddp = gradsync.DistributedDataParallel(
@@ -79,7 +88,11 @@ def _train(
         data, GLOBAL_BATCH, MICRO, shuffle=True, seed=5, deterministic=leaves,
         num_replicas=layout.dp, rank=mesh["dp"].get_local_rank(),
     )  # fmt: skip
-    recovery = Recovery(ddp, opt, sampler, lr_scheduler=sched, window=3.0)
+    ckpt = loaded = None
+    if folder is not None:
+        ckpt = Checkpointer(folder, model=ddp, optimizer=opt, lr_scheduler=sched, sampler=sampler)
+        loaded = ckpt.load()
+    recovery = Recovery(ddp, opt, sampler, lr_scheduler=sched, checkpointer=ckpt, window=3.0)
     death, armed, failed = deaths.get(rank), [False], [False]
 
     def die_if(where: str) -> None:
@@ -110,10 +123,13 @@ def _train(
             opt.step()
             sched.step()
             opt.zero_grad()
+            if ckpt is not None and step.number == 3:
+                ckpt.save(step.number + 1)
             shares = sampler.micro_batches_of(step.index)
             used[step.number] = (mesh["dp"].get_local_rank(), [i for s in shares for i in s])
     return {"params": full_parameters(model), "used": used, "events": recovery.events,
-            "world": recovery.membership.world_size, "dp": mesh["dp"].size()}  # fmt: skip
+            "world": recovery.membership.world_size, "dp": mesh["dp"].size(),
+            "loaded": loaded}  # fmt: skip
 
 
 def _reference() -> dict[str, torch.Tensor]:
@@ -133,7 +149,7 @@ def _reference() -> dict[str, torch.Tensor]:
     return {n: p.detach() for n, p in model.named_parameters()}
 
 
-def _check(results: list, deaths: dict, dp_left: int) -> list[int]:
+def _check(results: list, deaths: dict, dp_left: int, since: int | None = None) -> list[int]:
     survivors = [r for r in range(len(results)) if r not in deaths]
     for rank in deaths:
         assert isinstance(results[rank], RankFailure), (rank, results[rank])
@@ -145,9 +161,11 @@ def _check(results: list, deaths: dict, dp_left: int) -> list[int]:
         assert (result["world"], result["dp"]) == (len(survivors), dp_left)
         for name, p in result["params"].items():
             torch.testing.assert_close(p, reference[name], rtol=0, atol=1e-12, msg=name)
-    # from the last loss on, every step's global batch is used once, split over the replicas
-    redone = results[survivors[0]]["events"][-1]["step"]
-    for step in range(redone, STEPS):
+    # from the last loss (or ``since``) on, every step's global batch is used once, split over
+    # the replicas
+    if since is None:
+        since = results[survivors[0]]["events"][-1]["step"]
+    for step in range(since, STEPS):
         by_replica = {results[r]["used"][step][0]: results[r]["used"][step][1] for r in survivors}
         got = sorted(i for idx in by_replica.values() for i in idx)
         assert len(by_replica) == dp_left and got == sorted(batches[step]), step
@@ -156,12 +174,16 @@ def _check(results: list, deaths: dict, dp_left: int) -> list[int]:
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("deterministic", [False, True])
-def test_dp_tp_loses_whole_replicas_and_ends_equal_to_one_process(deterministic: bool) -> None:
+def test_dp_tp_loses_whole_replicas_and_ends_equal_to_one_process(
+    deterministic: bool,
+    tmp_path,  # type: ignore[no-untyped-def]
+) -> None:
     # dp 3 x tp 2: replica 2 (ranks 4, 5) dies after step 1's commit, where rank 2 fails
     # without stepping and the others step (rank 3, its tensor-parallel peer, goes on to wait
     # for it in step 2's forward); replica 0 dies in backward at step 3
     deaths = {4: (1, "optimizer"), 5: (1, "optimizer"), 0: (3, "backward"), 1: (3, "backward")}
-    args = (Layout(dp=3, tp=2), deaths, ((2,), 1), deterministic)
+    folder = None if deterministic else str(tmp_path)
+    args = (Layout(dp=3, tp=2), deaths, ((2,), 1), deterministic, folder)
     results = spawn(_train, 6, args, fresh=True, return_failures=True, timeout_s=200)
     survivors = _check(results, deaths, dp_left=1)
     for r in survivors:
@@ -170,6 +192,11 @@ def test_dp_tp_loses_whole_replicas_and_ends_equal_to_one_process(deterministic:
             ([4, 5], 4, 1),
             ([0, 1], 2, 3),
         ], events
+    if folder is not None:  # the survivors' save after step 3 resumes a dp 2 x tp 2 job
+        resumed = spawn(_train, 4, (Layout(dp=2, tp=2), {}, None, False, folder), fresh=True,
+                        timeout_s=100)  # fmt: skip
+        assert [r["loaded"] for r in resumed] == [4] * 4
+        _check(resumed, {}, dp_left=2, since=4)
     if deterministic:  # the bits of dp 1 x tp 2 throughout, at dp 3, then 2, then 1
         alone = spawn(_train, 2, (Layout(dp=1, tp=2), {}, None, True), fresh=True, timeout_s=100)
         for r in survivors:
