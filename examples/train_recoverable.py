@@ -9,6 +9,11 @@ process on the same global batches and prints the largest parameter difference w
 FAIL (float64: 1e-12). Compared with a plain loop, recovery adds three lines (marked ``+``) and
 changes two (``~``): the loop over steps and the micro-batches of the step.
 
+``--tp N`` trains on a dp x tp device mesh: each replica's N ranks hold tensor-parallel shards
+of the attention and MLP (torch's ``parallelize_module``), and a lost node takes whole replicas
+(start N ranks per node, or a multiple of N); the survivors go on at one replica fewer, their
+mesh laid out again in place.
+
 ``--log-samples FILE`` appends one JSON record per rank and completed step (its indices, the
 world size, the membership generation, the time), for the tests; ``--out`` receives
 ``result.json`` (the comparison and the recovery events) from rank 0. ``--stop-file FILE`` ends
@@ -30,6 +35,7 @@ from typing import IO
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
 from torch.utils.data import DataLoader
 
 import gradsync
@@ -39,6 +45,7 @@ from gradsync.elastic import joining
 from gradsync.recovery import Recovery, Step
 from gradsync.testing.corpus import CharDataset, generate_corpus
 from gradsync.testing.gpt import GPT, GPTConfig, lm_loss
+from gradsync.testing.parallel import apply_tensor_parallel, full_parameters
 
 
 def parse_args() -> argparse.Namespace:
@@ -57,6 +64,7 @@ def parse_args() -> argparse.Namespace:
         help="pad steps to this many seconds (a larger model's step)",
     )
     p.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks per replica")
     p.add_argument("--stop-file", default=None, help="end after the step during which it appears")
     p.add_argument("--log-samples", default=None)
     p.add_argument("--out", default="out-recoverable")
@@ -80,10 +88,24 @@ def main() -> int:
     args = parse_args()
     dist.init_process_group("gloo", timeout=timedelta(seconds=args.timeout_s))
     dataset = CharDataset(generate_corpus(args.sentences), 32)
-    sampler = GlobalBatchSampler(dataset, args.global_batch, args.micro_batch, drop_last=True)
+    mesh, replicas = None, {}  # --tp: the global batch is split over the dp replicas
+    if args.tp > 1:
+        shape = (dist.get_world_size() // args.tp, args.tp)
+        mesh = init_device_mesh("cpu", shape, mesh_dim_names=("dp", "tp"))
+        replicas = {"num_replicas": shape[0], "rank": mesh["dp"].get_local_rank()}
+    sampler = GlobalBatchSampler(
+        dataset, args.global_batch, args.micro_batch, drop_last=True, **replicas
+    )
     loader = DataLoader(dataset, batch_sampler=sampler)
     model = make_model(dataset.vocab_size)
-    ddp = gradsync.DistributedDataParallel(model, reduction="item_mean", timeout=args.timeout_s)
+    if mesh is not None:
+        apply_tensor_parallel(model, mesh["tp"])
+    ddp = gradsync.DistributedDataParallel(
+        model,
+        device_mesh=None if mesh is None else mesh["dp"],
+        reduction="item_mean",
+        timeout=args.timeout_s,
+    )
     opt = torch.optim.AdamW(ddp.parameters(), lr=args.lr, weight_decay=0.01)
     scheduler = schedule(opt, args.max_steps)
     ckpt = Checkpointer(
@@ -114,7 +136,10 @@ def main() -> int:
                 loss = lm_loss(ddp(x), y) * len(x)  # a sum over samples: item_mean divides
                 ddp.count_items(len(x))
                 loss.backward()
-            torch.nn.utils.clip_grad_norm_(ddp.parameters(), 1.0)
+            if mesh is None:
+                torch.nn.utils.clip_grad_norm_(ddp.parameters(), 1.0)
+            else:  # torch's refuses a mix of DTensor and plain gradients
+                gradsync.clip_grad_norm_(ddp.parameters(), 1.0)
             opt.step()
             scheduler.step()
             opt.zero_grad(set_to_none=True)
@@ -127,10 +152,11 @@ def main() -> int:
             break
 
     rank = recovery.membership.rank
+    params = list(full_parameters(model).values())  # tensor-parallel shards gathered
     dist.destroy_process_group()
     if rank != 0:
         return 0
-    return check(model, dataset, args, recovery)
+    return check(params, dataset, args, recovery)
 
 
 def publish_store(recovery: Recovery, out: str) -> None:
@@ -158,10 +184,12 @@ def log_step(log: IO[str], step: Step, sampler: GlobalBatchSampler, recovery: Re
     print(json.dumps(record), file=log, flush=True)  # one write a line: ranks share the file
 
 
-def check(model: GPT, dataset: CharDataset, args: argparse.Namespace, recovery: Recovery) -> int:
+def check(
+    params: list[torch.Tensor], dataset: CharDataset, args: argparse.Namespace, recovery: Recovery
+) -> int:
     """Rank 0, at the end: the same steps in one process, PASS or FAIL, and ``result.json``."""
     reference = train_one_process(dataset, args, recovery.completed)
-    pairs = zip(model.parameters(), reference.parameters(), strict=True)
+    pairs = zip(params, reference.parameters(), strict=True)
     diff = max((a - b).abs().max().item() for a, b in pairs)
     verdict = "PASS" if diff <= 1e-12 else "FAIL"
     world = recovery.membership.world_size
