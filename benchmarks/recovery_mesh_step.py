@@ -19,6 +19,7 @@ import time
 
 import torch
 import torch.distributed as dist
+from recovery_time import alternate, print_ratios, slowest  # the same alternating rounds
 
 import gradsync
 from gradsync.data import GlobalBatchSampler
@@ -31,12 +32,6 @@ from gradsync.testing.spawn import spawn
 
 CONFIG = GPTConfig(vocab_size=64, block_size=64, n_layer=2, n_head=4, n_embd=256)
 GLOBAL_BATCH = 8
-
-
-def _slowest(seconds: float) -> float:
-    t = torch.tensor(seconds)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t)
 
 
 def _per_step(rank: int, world: int, layout: Layout, rounds: int) -> dict:
@@ -63,30 +58,15 @@ def _per_step(rank: int, world: int, layout: Layout, rounds: int) -> dict:
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    times: dict[str, list[float]] = {"plain loop": [], "under Recovery": []}
-    for r in range(rounds + 1):  # round 0 warms up both
-        for name in times:
-            for _ in range(8):
-                t0 = time.perf_counter()
-                if name == "plain loop":
-                    body(sampler.micro_batches_of(sampler.step))
-                    sampler.step += 1
-                    recovery.completed += 1
-                else:
-                    step = next(recovery.steps())
-                    with step:
-                        body(sampler.micro_batches_of(step.index))
-                elapsed = _slowest(time.perf_counter() - t0)
-                if r:
-                    times[name].append(elapsed)
+    times = alternate(body, sampler, recovery, rounds)
     commits, plain_all_reduces = [], []
     for _ in range(50):
         t0 = time.perf_counter()
         stamped_barrier(0, recovery, ddp.options.timeout)
-        commits.append(_slowest(time.perf_counter() - t0))
+        commits.append(slowest(time.perf_counter() - t0))
         t0 = time.perf_counter()
         dist.all_reduce(torch.zeros(1))
-        plain_all_reduces.append(_slowest(time.perf_counter() - t0))
+        plain_all_reduces.append(slowest(time.perf_counter() - t0))
     return {
         "times": times,
         "commit": statistics.median(commits),
@@ -104,17 +84,9 @@ def main() -> int:
     result = spawn(_per_step, layout.world_size, (layout, args.rounds), fresh=True, timeout_s=1800)[
         0
     ]
-    plain, under = result["times"]["plain loop"], result["times"]["under Recovery"]
-    by_round = [
-        statistics.median(under[i : i + 8]) / statistics.median(plain[i : i + 8])
-        for i in range(0, len(plain), 8)
-    ]
     print(f"per step, dp {args.dp} x tp {args.tp}, {args.rounds} rounds of 8 steps each")
     print("(medians, slowest rank):")
-    print(f"  plain loop       {statistics.median(plain) * 1e3:8.1f} ms")
-    print(f"  under Recovery   {statistics.median(under) * 1e3:8.1f} ms")
-    ratios = ", ".join(f"{r:.3f}" for r in by_round)
-    print(f"  ratio, round by round: median {statistics.median(by_round):.3f} ({ratios})")
+    print_ratios(result["times"])
     print(f"  the commit alone {result['commit'] * 1e3:8.2f} ms")
     print(f"  a plain all_reduce of one float, beside it {result['all_reduce'] * 1e3:8.2f} ms")
     return 0

@@ -26,6 +26,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -56,10 +57,50 @@ class _Tokens(torch.utils.data.Dataset):
         return self.x[i, :-1], self.x[i, 1:]
 
 
-def _slowest(seconds: float) -> float:
+def slowest(seconds: float) -> float:
     t = torch.tensor(seconds)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return float(t)
+
+
+def alternate(
+    body: Callable[[list[list[int]]], None],
+    sampler: GlobalBatchSampler,
+    recovery: Recovery,
+    rounds: int,
+) -> dict[str, list[float]]:
+    """The slowest rank's step times of ``body`` (one step over its micro-batches' indices) in
+    a plain loop and under ``recovery``, in alternating rounds of 8 steps after a warm-up."""
+    times: dict[str, list[float]] = {"plain loop": [], "under Recovery": []}
+    for r in range(rounds + 1):  # round 0 warms up both
+        for name in times:
+            for _ in range(8):
+                t0 = time.perf_counter()
+                if name == "plain loop":
+                    body(sampler.micro_batches_of(sampler.step))
+                    sampler.step += 1
+                    recovery.completed += 1
+                else:
+                    step = next(recovery.steps())
+                    with step:
+                        body(sampler.micro_batches_of(step.index))
+                elapsed = slowest(time.perf_counter() - t0)
+                if r:
+                    times[name].append(elapsed)
+    return times
+
+
+def print_ratios(times: dict[str, list[float]]) -> None:
+    """The medians of :func:`alternate`'s times and their ratio, round by round."""
+    plain, under = times["plain loop"], times["under Recovery"]
+    by_round = [
+        statistics.median(under[i : i + 8]) / statistics.median(plain[i : i + 8])
+        for i in range(0, len(plain), 8)
+    ]
+    print(f"  plain loop       {statistics.median(plain) * 1e3:8.1f} ms")
+    print(f"  under Recovery   {statistics.median(under) * 1e3:8.1f} ms")
+    ratios = ", ".join(f"{r:.3f}" for r in by_round)
+    print(f"  ratio, round by round: median {statistics.median(by_round):.3f} ({ratios})")
 
 
 def _per_step(rank: int, world: int, rounds: int) -> dict:
@@ -83,22 +124,7 @@ def _per_step(rank: int, world: int, rounds: int) -> dict:
         sched.step()
         opt.zero_grad(set_to_none=True)
 
-    times: dict[str, list[float]] = {"plain loop": [], "under Recovery": []}
-    for r in range(rounds + 1):  # round 0 warms up both
-        for name in times:
-            for _ in range(8):
-                t0 = time.perf_counter()
-                if name == "plain loop":
-                    body(sampler.micro_batches_of(sampler.step))
-                    sampler.step += 1
-                    recovery.completed += 1
-                else:
-                    step = next(recovery.steps())
-                    with step:
-                        body(sampler.micro_batches_of(step.index))
-                elapsed = _slowest(time.perf_counter() - t0)
-                if r:
-                    times[name].append(elapsed)
+    times = alternate(body, sampler, recovery, rounds)
     parts: dict[str, float] = {}
     if rank == 0:  # what a step under Recovery does more, alone
         samples = []
@@ -147,16 +173,8 @@ def _memory(rank: int, world: int, under: bool) -> dict:
 
 def per_step(rounds: int) -> None:
     result = spawn(_per_step, 2, (rounds,), timeout_s=1800)[0]
-    plain, under = result["times"]["plain loop"], result["times"]["under Recovery"]
-    by_round = [
-        statistics.median(under[i : i + 8]) / statistics.median(plain[i : i + 8])
-        for i in range(0, len(plain), 8)
-    ]
     print(f"per step, 2 ranks, {rounds} rounds of 8 steps each (medians, slowest rank):")
-    print(f"  plain loop       {statistics.median(plain) * 1e3:8.1f} ms")
-    print(f"  under Recovery   {statistics.median(under) * 1e3:8.1f} ms")
-    ratios = ", ".join(f"{r:.3f}" for r in by_round)
-    print(f"  ratio, round by round: median {statistics.median(by_round):.3f} ({ratios})")
+    print_ratios(result["times"])
     for name, seconds in result["parts"].items():
         print(f"  {name:40s} {seconds * 1e3:8.2f} ms")
     # The allocator's peak moves by several MiB between identical runs: medians of 3 each.
