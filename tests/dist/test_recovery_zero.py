@@ -3,13 +3,14 @@ with a rank, and the survivors end equal to one process.
 
 Each rank mirrors the next rank's slices by stepping a second inner optimizer from the same
 reduced gradient: the mirror must be the owner's state, bit for bit, at 2/N of the state per
-rank. Four ranks train the float64 model of ``test_recovery.py`` with AdamW and a decaying
-learning rate; ranks die by SIGKILL inside backward (the all-reduce), inside the sharded step
-(after the agreement, before their slices step) and inside the parameters' all-gather, and the
-last survivor must hold one process's parameters (1e-12) with every sample used once. A loss
-that splits the survivors (one stepped its slices, its buddy had not) hands the step's gradient
-on. Losing an owner and its buddy together takes the restart path, saying so on every survivor.
-The survivors' checkpoints resume a new job at another world size, equal to one process. Fresh
+rank, stepped once every gather of the step has started (off the gathers' path). Four ranks
+train the float64 model of ``test_recovery.py`` with AdamW and a decaying learning rate; ranks
+die by SIGKILL inside backward (the all-reduce), inside the sharded step (after the agreement,
+before their slices step) and inside the parameters' all-gather, and the last survivor must
+hold one process's parameters (1e-12) with every sample used once. A loss that splits the
+survivors (one stepped its slices, its buddy had not) hands the step's gradient on. Losing an
+owner and its buddy together takes the restart path, saying so on every survivor. The
+survivors' checkpoints resume a new job at another world size, equal to one process. Fresh
 processes where ranks kill themselves.
 """
 
@@ -178,6 +179,11 @@ def _mirrors(rank: int, world: int, tamper: bool) -> dict:
     data, sampler, ddp, opt, sched, recovery = _setup()
     loader = DataLoader(data)
     error = None
+    order: list[str] = []  # when the gathers start and the mirror steps
+    gather = ddp.sharded_steps.gather
+    start = gather.start
+    gather.start = lambda b: order.append(f"gather {b.index}") or start(b)
+    opt.mirror.optim.register_step_pre_hook(lambda *_: order.append("mirror"))
     try:
         for step in recovery.steps(4):
             with step:
@@ -195,7 +201,7 @@ def _mirrors(rank: int, world: int, tamper: bool) -> dict:
     full = sum(p.numel() * 8 * 2 for p in ddp.module.parameters())  # AdamW's moments
     held = _moment_bytes(opt.optim) + _moment_bytes(opt.mirror.optim)
     return {"everyone": everyone, "error": error, "held": held, "full": full,
-            "buckets": len(opt.buckets)}  # fmt: skip
+            "buckets": len(opt.buckets), "order": order}  # fmt: skip
 
 
 def _moment_bytes(optim: torch.optim.Optimizer) -> int:
@@ -221,6 +227,10 @@ def test_each_mirror_holds_its_neighbours_state_bit_for_bit_at_two_nths_of_the_s
         assert results[r]["held"] <= results[r]["full"] * 2 / WORLD + slack, results[r]
     # every element's moments are held twice over the ranks: once by the owner, once mirrored
     assert sum(results[r]["held"] for r in range(WORLD)) == 2 * results[0]["full"]
+    # the mirror steps once a step, in one call, while every bucket's gather is under way
+    step = [f"gather {i}" for i in range(results[0]["buckets"])] + ["mirror"]
+    orders = [r["order"] for r in results]
+    assert results[0]["buckets"] > 1 and orders == [step * 4] * WORLD, orders
 
 
 def test_a_mirror_that_stepped_other_bits_refuses_the_next_step_on_every_rank():

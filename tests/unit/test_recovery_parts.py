@@ -21,6 +21,8 @@ from gradsync.data import GlobalBatchSampler
 from gradsync.failfast import liveness
 from gradsync.failfast.deadline import wait_watching
 from gradsync.failfast.liveness import ProcessId, process_state, this_process
+from gradsync.optim import mirror
+from gradsync.optim.mirror import same_bits
 from gradsync.recovery import Membership, NoRecoveryError, RankExcludedError, Recovery, Report, heal
 from gradsync.recovery.membership import agree, publish_process
 from gradsync.recovery.rollback import OptimizerSteps, StepStart, holder_of
@@ -217,6 +219,26 @@ def test_recovery_covers_zero1_through_the_wrapper_only_and_no_replacement_joins
     with pytest.raises(gradsync.UsageError, match="a replacement cannot join a ZeRO-1 job"):
         Recovery(model, opt, GlobalBatchSampler(range(8), 4), join="127.0.0.1:1")
     Recovery(model, opt, GlobalBatchSampler(range(8), 4))  # one rank: nothing to mirror
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("numpy", [True, False])
+def test_a_mirror_is_compared_with_its_owner_bit_for_bit(
+    dtype: torch.dtype, numpy: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A NaN both stepped to is no divergence (torch.equal says it is), a zero of the other
+    sign is one (torch.equal says it is not), and so is one element's last bit; with numpy or
+    without it."""
+    if not numpy:
+        monkeypatch.setattr(mirror, "np", None)
+    owner = torch.tensor([1.0, float("nan"), 0.0, 3.0]).to(dtype)
+    assert same_bits(owner, owner.clone())
+    other_sign = owner.clone()
+    other_sign[2] = -0.0
+    assert not same_bits(owner, other_sign)
+    last_bit = owner.clone()
+    last_bit.view({8: torch.int64, 4: torch.int32, 2: torch.int16}[dtype.itemsize])[3] ^= 1
+    assert not same_bits(owner, last_bit)
 
 
 class _Collective:

@@ -156,10 +156,12 @@ class ShardedSteps:
             mirror = self.optimizer.mirror
             start = self.gather.start if mirror is None else mirror.around(self.gather.start)
             self._in_flight = self.optimizer.step_and_gather(start)
+            if mirror is not None:
+                mirror.step()  # while every gather is under way (gradsync.recovery)
             self._step += 1
             self._stepped_after = reductions
             if mirror is not None:
-                mirror.stepped()  # every slice this rank holds has stepped (gradsync.recovery)
+                mirror.stepped()  # every slice this rank holds has stepped
             self.wait_all()
             if mirror is not None:
                 mirror.compare()

@@ -10,20 +10,35 @@ holds the full reduced gradient in ``.grad`` when the sharded step begins ([Note
 in the wrapper] in ``ddp/sharding.py``), so the buddy steps its mirror from the same inputs as
 the owner steps the slice: the parameters at the step's start (copied from the flat buffer
 before that bucket's all-gather overwrites them), the same gradient elements, the same state,
-the same hyper-parameters, the same pieces grouped the same way. An elementwise optimizer then
-gives the same bits, with no extra bytes on the wire: one more slice step per rank (``1/N`` more
-optimizer compute, overlapped with the bucket's all-gather) and ``2/N`` of the state per rank
-instead of ``1/N``, where the alternative (sending the state after every step) would move the
-whole state once per step.
+the same hyper-parameters, the same pieces in the same param groups. An elementwise optimizer
+then gives the same bits, with no extra bytes on the wire: one more slice step per rank (``1/N``
+more optimizer compute, while the gathers are under way: [Note: when the mirror steps]) and
+``2/N`` of the state per rank instead of ``1/N``, where the alternative (sending the state after
+every step) would move the whole state once per step.
 
 The claim "the same bits" is checked, not assumed: once a step's gathers have landed, the
-mirror's stepped parameters are compared with the owner's, gathered into the flat buffer (one
-comparison of a slice). A difference (an optimizer that is not elementwise, or not
-deterministic) refuses the next step on every rank, naming the bucket and the ranks, instead of
-leaving a mirror that would silently make a later recovery inexact.
+mirror's stepped parameters are compared with the owner's, gathered into the flat buffer, bit
+for bit (one comparison of a slice: :func:`same_bits`). A difference (an optimizer that is not
+elementwise, or not deterministic) refuses the next step on every rank, naming the bucket and
+the ranks, instead of leaving a mirror that would silently make a later recovery inexact.
 
 A mirror starts from the owner's state (:meth:`Mirror.sync`, one object all-gather) when it is
 made, and again whenever the owner's state is loaded from a checkpoint.
+
+[Note: when the mirror steps]
+The owner's step is a chain: step a bucket's slice, start its all-gather, step the next. The
+mirror's step is on no chain (nothing waits for it but the end of ``step()``), so it runs after
+the last bucket's gather has started, while the gathers are under way, in one call of the
+mirror's optimizer over every bucket's mirrored slices. Stepped bucket by bucket between the
+owner's (until 2026-12), it held back the start of every later bucket's gather by the mirror's
+step of the buckets before, on every rank (a ring gather waits for its slowest member), and
+paid the optimizer's per-call work (its look at every slice for a gradient) once per bucket
+(measured in ``benchmarks/2026-12-07-zero-recovery-cost.md``). The one call changes no bit: an
+elementwise optimizer updates an element from that element's gradient, state and
+hyper-parameters alone, whichever tensors share the call (and the comparison would say if it
+did not). What stays is the copy of the step's start, taken just before each bucket's gather
+starts (the last moment it is in the flat buffer), the mirror's optimizer step itself (as much
+compute as the owner's), and the comparison.
 """
 
 from __future__ import annotations
@@ -34,6 +49,11 @@ from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
+
+try:
+    import numpy as np
+except ImportError:  # an optional dependency of torch: torch.equal instead
+    np = None  # type: ignore[assignment]
 
 from gradsync.errors import ProtocolError
 from gradsync.optim.buffers import FlatBucket
@@ -82,7 +102,7 @@ class MirrorBucket:
             s.grad = None
 
     def same_as_owner(self) -> bool:
-        return torch.equal(self.shard, self.bucket.data[self.lo : self.hi])
+        return same_bits(self.shard, self.bucket.data[self.lo : self.hi])
 
 
 class Mirror:
@@ -119,30 +139,32 @@ class Mirror:
 
     # -- stepping, inside the owner's sharded step ---------------------------------------------
     def around(self, start: Callable[[FlatBucket], Any]) -> Callable[[FlatBucket], Any]:
-        """``start`` (a bucket's all-gather) with the mirror's step of that bucket: the
-        parameters at the step's start are taken before the gather overwrites them, and the
-        mirror steps while the gather is under way."""
+        """``start`` (a bucket's all-gather), with the neighbour's parameters at the step's start
+        taken first: the gather overwrites them. The mirror steps later (:meth:`step`)."""
         if not self.on:
             return start
 
-        def start_and_mirror(b: FlatBucket) -> Any:
-            mb = self.buckets[b.index]
-            mb.take()
-            handle = start(b)
-            self.step_bucket(mb)
-            return handle
+        def take_then_start(b: FlatBucket) -> Any:
+            self.buckets[b.index].take()
+            return start(b)
 
-        return start_and_mirror
+        return take_then_start
 
     @torch.no_grad()
-    def step_bucket(self, mb: MirrorBucket) -> None:
+    def step(self) -> None:
+        """Step every mirrored slice, in one call of the mirror's optimizer, once every
+        bucket's all-gather has started ([Note: when the mirror steps])."""
+        if not self.on:
+            return
         for outer, inner in zip(self.opt.param_groups, self.optim.param_groups, strict=True):
             inner.update(hyperparameters(outer))
-        mb.attach_param_grads()
+        for mb in self.buckets:
+            mb.attach_param_grads()
         try:
             self.optim.step()
         finally:
-            mb.detach_grads()
+            for mb in self.buckets:
+                mb.detach_grads()
 
     def compare(self) -> None:
         """After a step's gathers have landed: note a mirror that differs from its owner."""
@@ -193,3 +215,18 @@ def state_bytes(optim: torch.optim.Optimizer) -> int:
         for v in per_param.values()
         if isinstance(v, torch.Tensor)
     )
+
+
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` (1-D, one dtype) hold the same bits: a NaN equals the same NaN,
+    ``-0.0`` differs from ``0.0``. Compared as integers, on the CPU by numpy when it is
+    installed: its comparison is vectorised, ``torch.equal``'s was 5x slower there (0.13 ms
+    against 0.7 ms for 1M float32)."""
+    ints = _BITS.get(a.element_size(), torch.uint8)  # complex128: bytes
+    a, b = a.view(ints), b.view(ints)
+    if a.device.type == "cpu" and np is not None:
+        return bool(np.array_equal(a.numpy(), b.numpy()))
+    return torch.equal(a, b)

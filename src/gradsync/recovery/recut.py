@@ -70,6 +70,7 @@ def roll_forward(
             p.grad = got
         try:
             opt.step_and_gather(mirror.around(lambda b: None))
+            mirror.step()
         finally:
             for p in params:
                 p.grad = None
