@@ -25,6 +25,7 @@ from gradsync.optim import mirror
 from gradsync.optim.mirror import same_bits
 from gradsync.recovery import Membership, NoRecoveryError, RankExcludedError, Recovery, Report, heal
 from gradsync.recovery.membership import agree, publish_process
+from gradsync.recovery.replicas import check_whole, survivors_layout
 from gradsync.recovery.rollback import OptimizerSteps, StepStart, holder_of
 
 
@@ -331,3 +332,15 @@ def test_recovery_on_a_mesh_splits_over_replicas_and_refuses_what_it_cannot_rebu
     )
     with pytest.raises(gradsync.UsageError, match="not over a process group of its own"):
         Recovery(own, opt, GlobalBatchSampler(range(8), 4))
+
+
+def test_a_mesh_goes_on_without_whole_replicas_on_any_axis_and_renumbers_the_rest() -> None:
+    # (tp 2, dp 3), dp the inner axis: replica dp=1 is ranks 1 and 4, spread over the nodes
+    ranks = torch.arange(6).reshape(2, 3)
+    check_whole(ranks, 1, "dp", {1, 4})
+    with pytest.raises(NoRecoveryError, match=r"lost rank\(s\) \[1\] of replica dp=1 \(ranks "
+                       r"\[1, 4\]\) but not rank\(s\) \[4\]"):  # fmt: skip
+        check_whole(ranks, 1, "dp", {1})
+    assert survivors_layout(ranks, 1, (0, 2, 3, 5)).tolist() == [[0, 1], [2, 3]]
+    # (dp 3, tp 2): replica 0 lost, the ranks after it move down
+    assert survivors_layout(ranks.reshape(3, 2), 0, (2, 3, 4, 5)).tolist() == [[0, 1], [2, 3]]

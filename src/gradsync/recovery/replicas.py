@@ -138,33 +138,39 @@ class Replicas:
                 names.append(root._flatten_mapping[flat]._dim_group_names[0])
         return [registry.pop(n) for n in names if n in registry]
 
-    def _ranks(self) -> torch.Tensor:
-        """The mesh's ranks (of the current default group), replicas along the first axis."""
-        assert self.root is not None
-        return self.root.mesh.movedim(self.dim, 0)
-
     def left_after(self, lost: set[int], members: int) -> int:
         """How many replicas the ``members`` left after losing ``lost`` (ranks of the current
         group) form; :class:`NoRecoveryError` unless ``lost`` is whole replicas."""
         if self.root is None:
             return members
-        for index, replica in enumerate(self._ranks()):
-            ranks = set(replica.flatten().tolist())
-            if ranks & lost and not ranks <= lost:
-                raise NoRecoveryError(
-                    f"lost rank(s) {sorted(ranks & lost)} of replica {self.axis}={index} "
-                    f"(ranks {sorted(ranks)}) but not rank(s) {sorted(ranks - lost)}: on a "
-                    "device mesh a replica is recovered from only when lost whole (its "
-                    "ranks hold parts of one model, and the lost part is nowhere else)"
-                )
+        check_whole(self.root.mesh, self.dim, self.axis, lost)
         return members * self.root.size(self.dim) // self.root.mesh.numel()
 
     def regroup(self, members: tuple[int, ...]) -> None:
         """After the new default group of ``members`` (ranks before, in new rank order): the
         mesh laid out again over them, in place ([Note: a mesh rebuilt in place])."""
-        if self.root is None:
-            return
-        new_rank = {old: new for new, old in enumerate(members)}
-        kept = [r for r in self._ranks() if int(r.flatten()[0]) in new_rank]
-        ranks = torch.stack(kept).apply_(lambda r: new_rank[r]).movedim(0, self.dim)
-        rebuild_in_place(self.root, ranks)
+        if self.root is not None:
+            rebuild_in_place(self.root, survivors_layout(self.root.mesh, self.dim, members))
+
+
+def check_whole(ranks: torch.Tensor, dim: int, axis: str, lost: set[int]) -> None:
+    """:class:`NoRecoveryError` unless ``lost`` is whole replicas of the mesh laid out as
+    ``ranks``, whose replicas are the indices of its axis ``dim`` (named ``axis``)."""
+    for index, replica in enumerate(ranks.movedim(dim, 0)):
+        held = set(replica.flatten().tolist())
+        if held & lost and not held <= lost:
+            raise NoRecoveryError(
+                f"lost rank(s) {sorted(held & lost)} of replica {axis}={index} "
+                f"(ranks {sorted(held)}) but not rank(s) {sorted(held - lost)}: on a "
+                "device mesh a replica is recovered from only when lost whole (its "
+                "ranks hold parts of one model, and the lost part is nowhere else)"
+            )
+
+
+def survivors_layout(ranks: torch.Tensor, dim: int, members: tuple[int, ...]) -> torch.Tensor:
+    """The mesh laid out as ``ranks`` without the replicas (indices of axis ``dim``) that no
+    member is in, each rank renumbered to its place in ``members``: every other axis, and
+    every survivor's coordinates on it, unchanged."""
+    new_rank = {old: new for new, old in enumerate(members)}
+    kept = [r for r in ranks.movedim(dim, 0) if int(r.flatten()[0]) in new_rank]
+    return torch.stack(kept).apply_(lambda r: new_rank[r]).movedim(0, dim)
