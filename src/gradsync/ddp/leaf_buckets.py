@@ -106,6 +106,9 @@ class LeafBucket(AccumulatingBucket):
         if not synchronised and self._left_of_a_pair():
             self.left_open = True
             return
+        # By shape, not by the views: between reductions the bucket has handed its buffer over
+        # and takes it back only when the next reduction begins (Bucket.claim), the same memory
+        # once zero_grad() has let go of it.
         leaf = [
             self.grads.new_zeros(shape) if grad is None else grad
             for grad, shape in zip(self.leaf, self.shapes, strict=True)
