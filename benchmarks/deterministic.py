@@ -13,11 +13,13 @@ variant computes the same thing and only the reduction differs:
 - ``gradsync deterministic``: ``deterministic=leaves`` (the fixed leaf tree: a scatter of each
   rank's pieces, a combine, a gather; ``gradsync/comm/tree_exchange.py``).
 
-Per variant: the median step time of the slowest rank over every timed step; the gradient bytes
-each rank hands the wire per step (max rank): what the exchange counts for the deterministic
-mode, a ring all-reduce's ``2 (N-1)/N`` of the gradients for the others; on a simulated cluster
-also the bytes the busiest node's link actually sent per step (``/proc/net/dev`` in its
-namespace: every collective, headers included).
+Per variant: the median step time of the slowest rank over every timed step; the median CPU
+time of a step (every thread of the process, the most of any rank): the host's work, which a
+machine shared with other jobs inflates less than the time; the gradient bytes each rank hands
+the wire per step (max rank): what the exchange counts for the deterministic mode, a ring
+all-reduce's ``2 (N-1)/N`` of the gradients for the others; on a simulated cluster also the
+bytes the busiest node's link actually sent per step (``/proc/net/dev`` in its namespace:
+every collective, headers included).
 
 With ``--zero`` the variants are ZeRO-1 (``shard_optimizer(AdamW)``, clipped every step by
 ``opt.clip_grad_norm_``) in the default and in the deterministic mode, the same way.
@@ -85,11 +87,12 @@ def _time_steps(ddp: Any, opt: Any, cfg: Any, args: argparse.Namespace, seed: in
     rank, world = dist.get_rank(), dist.get_world_size()
     mine = leaf_range(args.leaves, world, rank)
     g = torch.Generator().manual_seed(seed)
-    times, wire, payload = [], [], []
+    times, wire, payload, cpus = [], [], [], []
     for i in range(args.warmup + args.steps):
         x = torch.randint(0, cfg.vocab_size, (args.leaves, 1, cfg.block_size), generator=g)
         dist.barrier()
         sent, counted, t0 = _sent_bytes(), _payload(ddp), time.perf_counter()
+        cpu0 = time.process_time()  # every thread of the process: gloo's and gradsync's too
         opt.zero_grad()
         for j, leaf in enumerate(mine):
             last = j == len(mine) - 1
@@ -101,14 +104,15 @@ def _time_steps(ddp: Any, opt: Any, cfg: Any, args: argparse.Namespace, seed: in
         if hasattr(opt, "clip_grad_norm_"):  # ZeRO-1: clipped, as jobs that shard clip
             opt.clip_grad_norm_(1.0)
         opt.step()
-        elapsed = time.perf_counter() - t0
-        row = torch.tensor([elapsed, _payload(ddp) - counted, _sent_bytes() - sent])
+        elapsed, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+        row = torch.tensor([elapsed, _payload(ddp) - counted, _sent_bytes() - sent, cpu])
         dist.all_reduce(row, op=dist.ReduceOp.MAX)
         if i >= args.warmup:
             times.append(float(row[0]))
             payload.append(float(row[1]))
             wire.append(float(row[2]))
-    return {"times": times, "payload": payload, "wire": wire}
+            cpus.append(float(row[3]))
+    return {"times": times, "payload": payload, "wire": wire, "cpu": cpus}
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -172,17 +176,19 @@ def report(row: dict[str, Any], where: str, cluster: bool) -> str:
         f"of 1 sequence per step (pieces per rank: {pieces}), median of {row['n']} steps per "
         "variant (slowest rank)",
         "",
-        "| variant | step (ms) | vs gradsync | vs torch DDP | gradient bytes sent per step "
-        "(MiB, max rank) | vs a ring all-reduce |"
+        "| variant | step (ms) | vs gradsync | vs torch DDP | CPU per step (ms, max rank) | vs "
+        "gradsync | gradient bytes sent per step (MiB, max rank) | vs a ring all-reduce |"
         + (" link bytes sent per step (MiB, max node) |" if cluster else ""),
-        "|---|---:|---:|---:|---:|---:|" + ("---:|" if cluster else ""),
+        "|---|---:|---:|---:|---:|---:|---:|---:|" + ("---:|" if cluster else ""),
     ]
+    base_cpu = row["gradsync"]["cpu"]
     for v in VARIANTS:
         t = row[v]["times"]
         sent = row[v]["payload"] if "deterministic" in v else ring
+        cpu = row[v]["cpu"]
         line = (
-            f"| {v} | {t * 1e3:.1f} | {t / base:.3f} | {t / torch_t:.3f} | {sent / 2**20:.2f} "
-            f"| {sent / ring:.3f} |"
+            f"| {v} | {t * 1e3:.1f} | {t / base:.3f} | {t / torch_t:.3f} | {cpu * 1e3:.1f} "
+            f"| {cpu / base_cpu:.3f} | {sent / 2**20:.2f} | {sent / ring:.3f} |"
         )
         if cluster:
             line += f" {row[v]['wire'] / 2**20:.2f} |"

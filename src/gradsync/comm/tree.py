@@ -217,19 +217,23 @@ def combine(pieces: Mapping[Node, torch.Tensor], leaves: int) -> torch.Tensor | 
     """The tree's root over ``leaves`` leaf positions given nodes that tile the leaves present
     (``None`` if none is): from the root down to the given nodes, then ``left + right`` back
     up. The tensors of ``pieces`` may be written to (they are scratch)."""
+    return _node(pieces, leaves, 0, positions(leaves))
 
-    def node(first: int, size: int) -> torch.Tensor | None:
-        given = pieces.get((first, size))
-        if given is not None or size == 1:
-            return given
-        half = size // 2
-        left = node(first, half)
-        right = node(first + half, half) if first + half < leaves else None
-        if left is None or right is None:
-            return left if right is None else right
-        return left.add_(right)
 
-    return node(0, positions(leaves))
+def _node(
+    pieces: Mapping[Node, torch.Tensor], leaves: int, first: int, size: int
+) -> torch.Tensor | None:
+    # Not a closure over ``pieces``: a recursive inner function is a reference cycle, which
+    # kept the pieces (views of a bucket's buffer) alive until the next garbage collection.
+    given = pieces.get((first, size))
+    if given is not None or size == 1:
+        return given
+    half = size // 2
+    left = _node(pieces, leaves, first, half)
+    right = _node(pieces, leaves, first + half, half) if first + half < leaves else None
+    if left is None or right is None:
+        return left if right is None else right
+    return left.add_(right)
 
 
 def naive_tree_sum(leaves: Sequence[torch.Tensor | None]) -> torch.Tensor | None:

@@ -8,21 +8,24 @@ exchange is a reduce-scatter in which the owner of each chunk, not the wire, doe
    gathered (a few bytes). From them every rank knows every rank's pieces, so no sizes travel
    with the data, and a leaf count that breaks the layout is refused on every rank alike.
 2. *Scatter* (per bucket, :meth:`TreeExchange.start`): the gradients are cut into N chunks;
-   rank p sends chunk c of each of its pieces to rank c, in one ``all_to_all``.
+   rank p sends chunk c of each of its pieces to rank c.
 3. *Combine*: rank c now holds chunk c of every piece of the step and adds them up the tree
    (:func:`~gradsync.comm.tree.combine`), in the tree's order, whoever computed them.
-4. *Gather*: the summed chunks, to every rank, in one ``all_gather``.
+4. *Gather*: the summed chunks, to every rank.
 
 With one piece per rank (``L = N 2^j`` leaves) a rank sends (N-1)/N of the bucket in step 2
 and (N-1)/N in step 4: the bytes of a ring all-reduce. A rank with k pieces sends k (N-1)/N in
 step 2 (``tree.leaf_blocks`` keeps k at most 3 wherever a block an eighth longer allows). The
 used flags and step tags after the gradients are small integers, exact in any order: they
 travel up the tree too, in each rank's first piece (zeros in the others), with no collective
-of their own.
+of their own. The first piece is the bucket's own buffer, where the sum lands.
 
-Step 2 starts when the bucket is full, during backward; steps 3 and 4 run when the reducer
-waits for the first bucket (:class:`TreeHandle`), for every bucket in bucket order, so the
-collectives are issued in the same order everywhere, all from the caller's thread.
+On a CPU (gloo) a bucket's exchange is one job of point-to-point messages on a thread of its own,
+started when the bucket is full ([Note: the tree's exchange on a CPU] in ``tree_messages.py``).
+Elsewhere (NCCL) it is the collectives ``all_to_all_single`` (step 2) and
+``all_gather_into_tensor`` (step 4), issued in bucket order from the caller's thread: the
+scatters as the buckets fill, the combines and gathers when the reducer waits for the first
+bucket (:class:`TreeHandle`).
 """
 
 from __future__ import annotations
@@ -38,6 +41,8 @@ from gradsync.comm.algorithm import CommStats
 from gradsync.comm.hook import BucketLike, CommHook
 from gradsync.comm.ring import chunk_bounds
 from gradsync.comm.tree import Node, block_pieces, combine, leaf_range
+from gradsync.comm.tree_messages import TreeMessages
+from gradsync.comm.worker import AsyncHandle
 from gradsync.errors import UsageError
 
 # torch 2.13 renamed all_gather_into_tensor (and warns on the old name); older torch lacks it.
@@ -60,6 +65,7 @@ class TreeExchange(CommHook):
         self._count_work: Any = None
         self.layout: StepLayout | None = None  # read from the counts at the first bucket
         self._wait: Callable[[Any], None] = lambda work: work.wait()  # begin_step's
+        self.messages = TreeMessages(group, self.stats)  # the exchange on a CPU
 
     def begin_step(
         self, leaves_here: int, device: torch.device, wait: Callable[[Any], None]
@@ -85,13 +91,25 @@ class TreeExchange(CommHook):
             self.layout = StepLayout(self._counts.tolist(), self.blocks)
         return self.layout
 
-    def start(self, bucket: BucketLike) -> TreeHandle:
+    def start(self, bucket: BucketLike) -> TreeHandle | AsyncHandle:
         layout = self._step_layout()
         mine: Sequence[tuple[Node, torch.Tensor]] = bucket.pieces(layout.total)  # type: ignore[attr-defined]
         assert [n for n, _ in mine] == layout.pieces[self.rank], "pieces and counts disagree"
-        handle = TreeHandle(self, bucket, layout, [t for _, t in mine])
+        pieces = [t for _, t in mine]
+        buffer = bucket.buffer
+        if self.world_size > 1 and self._by_messages(buffer):
+            return self.messages.start(
+                buffer, pieces, layout.pieces, layout.total, bucket.spec.index
+            )
+        handle = TreeHandle(self, bucket, layout, pieces)
         self._handles.append(handle)
         return handle
+
+    @staticmethod
+    def _by_messages(buffer: torch.Tensor) -> bool:
+        """Whether a bucket travels in messages ([Note: the tree's exchange on a CPU] in
+        ``tree_messages.py``)."""
+        return buffer.device.type == "cpu"
 
     def advance(self, timeout: timedelta | None) -> None:
         """Combine and start gathering every bucket of the step whose gather has not started,

@@ -106,9 +106,12 @@ class LeafBucket(AccumulatingBucket):
         if not synchronised and self._left_of_a_pair():
             self.left_open = True
             return
+        # By shape, not by the views: between reductions the bucket has handed its buffer over
+        # and takes it back only when the next reduction begins (Bucket.claim), the same memory
+        # once zero_grad() has let go of it.
         leaf = [
-            torch.zeros_like(view) if grad is None else grad
-            for grad, view in zip(self.leaf, self.views, strict=True)
+            self.grads.new_zeros(shape) if grad is None else grad
+            for grad, shape in zip(self.leaf, self.shapes, strict=True)
         ]
         self.fold.add(leaf, 2 if self.left_open else 1)
         self.leaf, self.left_open = [None] * len(self.params), False
@@ -124,9 +127,13 @@ class LeafBucket(AccumulatingBucket):
         n = self.grads.numel()
         self.fold.close(present)
         for node, grads in self.fold.pieces():
+            if not out:  # the first piece in the buffer itself, its flags and tail in place
+                torch._foreach_copy_(self.views, grads)
+                out.append((node, self.buffer))
+                continue
             flat = self.buffer.new_empty(self.buffer.shape)
             torch._foreach_copy_([flat[a : a + v.numel()].view(v.shape) for a, v in where], grads)
-            flat[n:].copy_(self.buffer[n:]) if not out else flat[n:].zero_()
+            flat[n:].zero_()
             out.append((node, flat))
         return out
 
@@ -160,12 +167,6 @@ class LeafBucket(AccumulatingBucket):
         if self.main_grads:
             return super().results(counts)
         return Bucket.results(self, counts)
-
-    def _hand_over(self) -> None:
-        # Leaves under no_sync() read the views between reductions: a buffer at once, which
-        # is new memory (the gradients just took the old one).
-        super()._hand_over()
-        self.claim()
 
     def write_back(self, slot: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         if self.main_grads:
