@@ -30,12 +30,14 @@ import json
 import math
 import os
 import time
+from collections.abc import Iterable
 from datetime import timedelta
 from typing import IO
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader
 
 import gradsync
@@ -88,24 +90,10 @@ def main() -> int:
     args = parse_args()
     dist.init_process_group("gloo", timeout=timedelta(seconds=args.timeout_s))
     dataset = CharDataset(generate_corpus(args.sentences), 32)
-    mesh, replicas = None, {}  # --tp: the global batch is split over the dp replicas
-    if args.tp > 1:
-        shape = (dist.get_world_size() // args.tp, args.tp)
-        mesh = init_device_mesh("cpu", shape, mesh_dim_names=("dp", "tp"))
-        replicas = {"num_replicas": shape[0], "rank": mesh["dp"].get_local_rank()}
-    sampler = GlobalBatchSampler(
-        dataset, args.global_batch, args.micro_batch, drop_last=True, **replicas
-    )
+    mesh = mesh_of(args.tp)
+    sampler = global_batches(dataset, args, mesh)
     loader = DataLoader(dataset, batch_sampler=sampler)
-    model = make_model(dataset.vocab_size)
-    if mesh is not None:
-        apply_tensor_parallel(model, mesh["tp"])
-    ddp = gradsync.DistributedDataParallel(
-        model,
-        device_mesh=None if mesh is None else mesh["dp"],
-        reduction="item_mean",
-        timeout=args.timeout_s,
-    )
+    model, ddp = wrapped_model(dataset.vocab_size, mesh, args.timeout_s)
     opt = torch.optim.AdamW(ddp.parameters(), lr=args.lr, weight_decay=0.01)
     scheduler = schedule(opt, args.max_steps)
     ckpt = Checkpointer(
@@ -136,10 +124,7 @@ def main() -> int:
                 loss = lm_loss(ddp(x), y) * len(x)  # a sum over samples: item_mean divides
                 ddp.count_items(len(x))
                 loss.backward()
-            if mesh is None:
-                torch.nn.utils.clip_grad_norm_(ddp.parameters(), 1.0)
-            else:  # torch's refuses a mix of DTensor and plain gradients
-                gradsync.clip_grad_norm_(ddp.parameters(), 1.0)
+            clip_grad_norm_(ddp.parameters(), 1.0)
             opt.step()
             scheduler.step()
             opt.zero_grad(set_to_none=True)
@@ -157,6 +142,53 @@ def main() -> int:
     if rank != 0:
         return 0
     return check(params, dataset, args, recovery)
+
+
+def mesh_of(tp: int) -> DeviceMesh | None:
+    """``--tp``: a (dp, tp) mesh over every rank, tp fastest (a node's ranks hold replicas)."""
+    if tp == 1:
+        return None
+    return init_device_mesh("cpu", (dist.get_world_size() // tp, tp), mesh_dim_names=("dp", "tp"))
+
+
+def wrapped_model(
+    vocab_size: int, mesh: DeviceMesh | None, timeout_s: float
+) -> tuple[GPT, gradsync.DistributedDataParallel]:
+    """The model (its attention and MLP sharded over ``tp`` on a mesh) and its wrapper."""
+    model = make_model(vocab_size)
+    if mesh is not None:
+        apply_tensor_parallel(model, mesh["tp"])
+    dp = None if mesh is None else mesh["dp"]
+    ddp = gradsync.DistributedDataParallel(
+        model, device_mesh=dp, reduction="item_mean", timeout=timeout_s
+    )
+    return model, ddp
+
+
+def clip_grad_norm_(parameters: Iterable[torch.nn.Parameter], max_norm: float) -> None:
+    """torch's clipping, or on a mesh gradsync's: torch's refuses DTensor and plain gradients
+    mixed, and the tensor-parallel shards' norm must be taken over their mesh."""
+    params = list(parameters)
+    if any(isinstance(p, DTensor) for p in params):
+        gradsync.clip_grad_norm_(params, max_norm)
+    else:
+        torch.nn.utils.clip_grad_norm_(params, max_norm)
+
+
+def global_batches(
+    dataset: CharDataset, args: argparse.Namespace, mesh: DeviceMesh | None
+) -> GlobalBatchSampler:
+    """The steps' global batches, split over the ranks, or on a mesh over the dp replicas
+    (every tp rank of a replica reads the same share)."""
+    dp = None if mesh is None else mesh["dp"]
+    return GlobalBatchSampler(
+        dataset,
+        args.global_batch,
+        args.micro_batch,
+        drop_last=True,
+        num_replicas=None if dp is None else dp.size(),
+        rank=None if dp is None else dp.get_local_rank(),
+    )
 
 
 def publish_store(recovery: Recovery, out: str) -> None:

@@ -18,6 +18,7 @@ import gradsync
 from gradsync.checkpoint import Checkpointer
 from gradsync.errors import CollectiveTimeoutError
 from gradsync.recovery import Step
+from gradsync.recovery.replicas import Replicas
 
 CLOSED = (
     "[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed "
@@ -31,19 +32,27 @@ RESET = (
 
 
 class _Recovery:
-    """What a step reads of its Recovery, and a record of the recoveries it was asked for."""
+    """What a step reads of its Recovery, and a record of the recoveries it was asked for;
+    ``mesh``: a job on a device mesh, where a regroup has ``begun`` or not."""
 
-    def __init__(self) -> None:
+    def __init__(self, mesh: bool = False, begun: bool = False) -> None:
         self.sampler = SimpleNamespace(epoch=0, step=0)
         self.recovered: list[BaseException] = []
+        self.replicas = Replicas(SimpleNamespace(device_mesh=None), None)
+        if mesh:
+            self.replicas.root = object()  # type: ignore[assignment]  # all lost_inside reads
+        self.window, self._begun = 0.05, begun
+
+    def begun(self) -> bool:
+        return self._begun
 
     def _recover(self, step: Step, exc: BaseException) -> None:
         self.recovered.append(exc)
 
 
-def _ends_the_step(exc: BaseException) -> bool:
+def _ends_the_step(exc: BaseException, recovery: _Recovery | None = None) -> bool:
     """Whether a step whose block raised ``exc`` recovers (``True``) or lets it go on up."""
-    recovery = _Recovery()
+    recovery = recovery or _Recovery()
     swallowed = Step(recovery, 0).__exit__(type(exc), exc, None)  # type: ignore[arg-type]
     assert swallowed == (recovery.recovered == [exc])
     return swallowed
@@ -105,6 +114,17 @@ def test_a_checkpoint_write_that_lost_a_peer_is_typed(text: str, tmp_path) -> No
 )
 def test_anything_else_goes_on_up(exc: BaseException) -> None:
     assert not _ends_the_step(exc)
+
+
+@pytest.mark.parametrize("begun", [True, False])
+def test_on_a_mesh_a_plain_runtime_error_is_a_lost_peer_once_a_regroup_has_begun(
+    begun: bool,
+) -> None:
+    """A tensor-parallel collective (torch's, not gradsync's) ends with gloo's plain
+    ``RuntimeError``: on a mesh it is a lost peer if a survivor begins to regroup within the
+    window; other types never are."""
+    assert _ends_the_step(RuntimeError(CLOSED), _Recovery(mesh=True, begun=begun)) is begun
+    assert not _ends_the_step(ValueError("bad value"), _Recovery(mesh=True, begun=True))
 
 
 def test_a_completed_step_recovers_nothing() -> None:
