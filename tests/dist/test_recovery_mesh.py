@@ -28,6 +28,7 @@ from contextlib import nullcontext
 
 import pytest
 import torch
+from test_recovery import _optimizer  # AdamW and a decaying learning rate, as there
 from torch.utils.data import DataLoader, TensorDataset
 
 import gradsync
@@ -54,11 +55,6 @@ def _data() -> TensorDataset:
     targets = torch.randint(0, CFG.vocab_size, tokens.shape, generator=g)
     targets[torch.rand(targets.shape, generator=g) < 0.4] = -1  # uneven valid tokens per chunk
     return TensorDataset(tokens, targets)
-
-
-def _optimizer(params) -> tuple[torch.optim.Optimizer, object]:  # type: ignore[no-untyped-def]
-    opt = torch.optim.AdamW(params, lr=2e-2, weight_decay=0.01)
-    return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1.0 + 0.3 * s))
 
 
 def _train(
