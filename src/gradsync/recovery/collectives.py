@@ -47,7 +47,7 @@ def _stamped(
     timeout: timedelta,
     what: tuple[str, str],
 ) -> None:
-    device = None if tensor is None else tensor.device
+    device = tensor.device if tensor is not None else _backend_device()
     stamps = torch.zeros(dist.get_world_size(), dtype=torch.int64, device=device)
     stamps[dist.get_rank()] = number + 1  # zero: no rank's
     works = [dist.all_reduce(stamps, async_op=True)]
@@ -63,3 +63,10 @@ def _stamped(
     mismatch = steps_differ(numbers, what[1])
     if mismatch is not None:
         raise DesyncError(f"{mismatch} (seen from rank {dist.get_rank()})")
+
+
+def _backend_device() -> torch.device:
+    """Where the default group's collectives take their tensors: NCCL's on this rank's GPU."""
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
