@@ -344,3 +344,20 @@ def test_a_mesh_goes_on_without_whole_replicas_on_any_axis_and_renumbers_the_res
     assert survivors_layout(ranks, 1, (0, 2, 3, 5)).tolist() == [[0, 1], [2, 3]]
     # (dp 3, tp 2): replica 0 lost, the ranks after it move down
     assert survivors_layout(ranks.reshape(3, 2), 0, (2, 3, 4, 5)).tolist() == [[0, 1], [2, 3]]
+
+
+def test_a_replacement_node_is_offered_once_all_its_ranks_have_asked(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Two local ranks of one replacement torchrun ask a moment apart: no offer until both
+    have (one membership change, not two); a process outside torchrun is a node of its own."""
+    store = dist.HashStore()
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "replacement-a")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    first = heal.ask(store)
+    assert heal.waiting(store) == ()
+    second = heal.ask(store)
+    assert heal.waiting(store) == (first, second)
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID")
+    third = heal.ask(store)
+    assert heal.waiting(store) == (first, second, third)

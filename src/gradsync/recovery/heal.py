@@ -9,7 +9,9 @@ did at the start, and :class:`~gradsync.recovery.Recovery` then, instead of trai
 
 1. takes a ticket (``store.add``) and waits to be admitted;
 2. meanwhile the job trains on. At most once a second, at the start of a step ``k``, its rank 0
-   looks for tickets not yet admitted and, if there are, offers them the step ``a`` that is
+   looks for tickets not yet admitted and, if there are (and every replacement node they come
+   from has asked with all its local ranks, so that a node joins whole, in one change), offers
+   them the step ``a`` that is
    the second multiple of ``P`` (``ADMIT_EVERY``, 10) after ``k``, under the generation's name
    in the store. Every member looks for an offer at the start of the steps that are multiples
    of ``P`` (one store read per ``P`` steps). No member can start a step after ``k`` before
@@ -28,6 +30,7 @@ before it asks), and the switch costs a regroup and one broadcast of the trainin
 from __future__ import annotations
 
 import json
+import os
 import time
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -77,10 +80,21 @@ class Admission:
 
 
 def ask(store: dist.Store) -> int:
-    """Take a ticket to join; the job admits tickets in their order."""
+    """Take a ticket to join; the job admits tickets in their order, a node's together."""
     ticket = int(store.add(_TICKETS, 1))
     store.set(f"gradsync/join/{ticket}/asked", repr(time.time()))  # for the job's records
+    store.set(f"gradsync/join/{ticket}/node", json.dumps(_node()))
     return ticket
+
+
+def _node() -> dict[str, Any]:
+    """The replacement node this process starts with: under torchrun its agent's run (each
+    replacement's ``--standalone`` run has an id of its own) and its number of local ranks;
+    else a node of its own."""
+    run = os.environ.get("TORCHELASTIC_RUN_ID")
+    if run is None:
+        return {"run": f"process {os.getpid()}", "size": 1}
+    return {"run": run, "size": int(os.environ.get("LOCAL_WORLD_SIZE", "1"))}
 
 
 def asked(store: dist.Store, tickets: tuple[int, ...]) -> float:
@@ -89,9 +103,19 @@ def asked(store: dist.Store, tickets: tuple[int, ...]) -> float:
 
 
 def waiting(store: dist.Store) -> tuple[int, ...]:
-    """Tickets taken and not yet admitted."""
+    """Tickets taken and not yet admitted, once every node they come from has asked with all
+    its ranks (a node whose second rank starts a moment after its first joins whole, in one
+    membership change, not as two); else none yet."""
     taken, admitted = int(store.add(_TICKETS, 0)), int(store.add(_ADMITTED, 0))
-    return tuple(range(admitted + 1, taken + 1))
+    tickets = tuple(range(admitted + 1, taken + 1))
+    keys = [f"gradsync/join/{t}/node" for t in tickets]
+    if not tickets or not store.check(keys):
+        return ()
+    nodes = [json.loads(v) for v in store.multi_get(keys)]
+    runs = {node["run"]: node["size"] for node in nodes}
+    if any(sum(n["run"] == run for n in nodes) < size for run, size in runs.items()):
+        return ()
+    return tickets
 
 
 def offer(store: dist.Store, scope: str, made: Offer) -> None:
