@@ -57,17 +57,6 @@ def _model(width: int, depth: int) -> Any:
     return nn.Sequential(*layers, nn.Linear(width, 1))
 
 
-def _bytes(optim: Any) -> int:
-    import torch
-
-    return sum(
-        v.numel() * v.element_size()
-        for s in optim.state.values()
-        for v in s.values()
-        if isinstance(v, torch.Tensor)
-    )
-
-
 class Pieces:
     """Wall and main-thread CPU time per piece, summed until :meth:`take`."""
 
@@ -118,6 +107,7 @@ def _rank(rank: int, world: int, cfg: dict[str, int]) -> dict[str, Any]:
 
     import gradsync
     from gradsync.data import GlobalBatchSampler
+    from gradsync.optim.mirror import state_bytes
     from gradsync.recovery import Recovery
 
     torch.set_num_threads(1)
@@ -174,9 +164,9 @@ def _rank(rank: int, world: int, cfg: dict[str, int]) -> dict[str, Any]:
     return {
         **result,
         "state_full_bytes": full,
-        "state_plain_bytes": _bytes(plain_opt.optim),
-        "state_own_bytes": _bytes(guarded_opt.optim),
-        "state_mirror_bytes": _bytes(guarded_opt.mirror.optim),
+        "state_plain_bytes": state_bytes(plain_opt.optim),
+        "state_own_bytes": state_bytes(guarded_opt.optim),
+        "state_mirror_bytes": state_bytes(guarded_opt.mirror.optim),
         "params": sum(p.numel() for p in guarded.module.parameters()),
     }
 

@@ -144,6 +144,18 @@ def as_timedelta(timeout: float | timedelta) -> timedelta:
     return timedelta(seconds=seconds)
 
 
+def small_tensors_device(
+    group: dist.ProcessGroup | None, device: torch.device | None = None
+) -> torch.device:
+    """Where ``group``'s collectives take gradsync's small tensors: the CPU, or under NCCL
+    (CUDA tensors only) ``device`` if it is a GPU, else this rank's current one."""
+    if dist.get_backend(group) != "nccl":
+        return torch.device("cpu")
+    if device is None or device.type != "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 class Deadline:
     """gradsync's collectives on one process group, each bounded by ``timeout``.
 
@@ -163,11 +175,7 @@ class Deadline:
         self.timeout = timeout
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
-        self.device = torch.device("cpu")  # where the small tensors of the checks live
-        if dist.get_backend(group) == "nccl":  # CUDA tensors only: the caller's GPU, if given
-            if device is None or device.type != "cuda":
-                device = torch.device("cuda", torch.cuda.current_device())
-            self.device = device
+        self.device = small_tensors_device(group, device)  # the checks' small tensors
         self.arrivals = arrivals
         self.owns_group = False  # a private group (for_group) is released after a failure
         self.seq = 0  # operations begun; the same sequence on every rank

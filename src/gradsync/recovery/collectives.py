@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from gradsync.ddp.checks.tags import steps_differ
 from gradsync.errors import CollectiveTimeoutError, DesyncError
-from gradsync.failfast.deadline import RegroupWatch, wait_watching
+from gradsync.failfast.deadline import RegroupWatch, small_tensors_device, wait_watching
 
 
 def stamped_all_reduce(
@@ -47,7 +47,7 @@ def _stamped(
     timeout: timedelta,
     what: tuple[str, str],
 ) -> None:
-    device = tensor.device if tensor is not None else _backend_device()
+    device = tensor.device if tensor is not None else small_tensors_device(None)
     stamps = torch.zeros(dist.get_world_size(), dtype=torch.int64, device=device)
     stamps[dist.get_rank()] = number + 1  # zero: no rank's
     works = [dist.all_reduce(stamps, async_op=True)]
@@ -63,10 +63,3 @@ def _stamped(
     mismatch = steps_differ(numbers, what[1])
     if mismatch is not None:
         raise DesyncError(f"{mismatch} (seen from rank {dist.get_rank()})")
-
-
-def _backend_device() -> torch.device:
-    """Where the default group's collectives take their tensors: NCCL's on this rank's GPU."""
-    if dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")

@@ -49,11 +49,11 @@ def close_groups(close: Sequence[dist.ProcessGroup] = ()) -> str:
     if backend == "nccl":
         for group in groups:
             dist.distributed_c10d._abort_process_group(group)
-    closing = [g for g in groups if any(g is c for c in close)]
-    _retired.extend(g for g in groups if not any(g is c for c in closing))
+    closing = {id(g) for g in close}
+    _retired.extend(g for g in groups if id(g) not in closing)
     dist.destroy_process_group()
     if closing:
-        _destroy_in_background(closing)
+        _destroy_in_background([g for g in groups if id(g) in closing])
     return backend
 
 
