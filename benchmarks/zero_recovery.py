@@ -2,8 +2,9 @@
 
     python benchmarks/zero_recovery.py                       # 4 ranks over loopback
     python benchmarks/zero_recovery.py --world 4 --rounds 25 --steps 3 --width 1024
+    python benchmarks/zero_recovery.py --model gpt           # the main job's GPT instead
 
-Two copies of the same MLP train side by side in the same processes, each wrapped by
+Two copies of the same model train side by side in the same processes, each wrapped by
 ``gradsync.DistributedDataParallel`` with ``shard_optimizer(torch.optim.AdamW)``: one in a plain
 loop (ZeRO-1 alone), one inside ``Recovery.steps()`` (ZeRO-1 whose every rank also steps its
 mirror of the next rank's slices: ``gradsync/optim/mirror.py``). Rounds interleave the two
@@ -46,15 +47,35 @@ PIECES = (
 )
 
 
-def _model(width: int, depth: int) -> Any:
+def _workload(
+    cfg: dict[str, Any], rank: int
+) -> tuple[Callable[[], Any], Callable[[Any], Any], int]:
+    """(a new model, its loss on this rank's batch, the items in it) for ``--model``: the MLP,
+    where AdamW over a quarter of the parameters is a large share of the step (about 7 %),
+    or the GPT of the main job, where a step's compute per parameter is a language model's."""
     import torch
     from torch import nn
 
-    torch.manual_seed(0)
-    layers: list[nn.Module] = []
-    for _ in range(depth):
-        layers += [nn.Linear(width, width), nn.Tanh()]
-    return nn.Sequential(*layers, nn.Linear(width, 1))
+    from gradsync.testing.gpt import GPT, GPTConfig, lm_loss
+
+    batch, width = cfg["batch"], cfg["width"]
+    g = torch.Generator().manual_seed(rank)
+    if cfg["model"] == "gpt":
+        gpt = GPTConfig(vocab_size=64, block_size=64, n_layer=4, n_head=4, n_embd=256)
+        tokens = torch.randint(0, gpt.vocab_size, (batch, gpt.block_size), generator=g)
+        torch.manual_seed(0)
+        return lambda: GPT(gpt), lambda m: lm_loss(m(tokens), tokens, "sum"), tokens.numel()
+
+    def mlp() -> nn.Module:
+        torch.manual_seed(0)
+        layers: list[nn.Module] = []
+        for _ in range(cfg["depth"]):
+            layers += [nn.Linear(width, width), nn.Tanh()]
+        return nn.Sequential(*layers, nn.Linear(width, 1))
+
+    x = torch.randn(batch, width, generator=g)
+    y = torch.randn(batch, 1, generator=torch.Generator().manual_seed(100 + rank))
+    return mlp, lambda m: ((m(x) - y) ** 2).sum(), batch
 
 
 class Pieces:
@@ -111,12 +132,10 @@ def _rank(rank: int, world: int, cfg: dict[str, int]) -> dict[str, Any]:
     from gradsync.recovery import Recovery
 
     torch.set_num_threads(1)
-    batch, width = cfg["batch"], cfg["width"]
-    x = torch.randn(batch, width, generator=torch.Generator().manual_seed(rank))
-    y = torch.randn(batch, 1, generator=torch.Generator().manual_seed(100 + rank))
+    make, loss_of, items = _workload(cfg, rank)
 
     def build() -> tuple[Any, Any]:
-        model = _model(width, cfg["depth"])
+        model = make()
         ddp = gradsync.DistributedDataParallel(model, reduction="item_mean", timeout=120.0)
         return ddp, ddp.shard_optimizer(torch.optim.AdamW, lr=1e-4)
 
@@ -131,8 +150,8 @@ def _rank(rank: int, world: int, cfg: dict[str, int]) -> dict[str, Any]:
 
     def one(ddp: Any, opt: Any, timed: Pieces) -> None:
         wall, cpu = time.perf_counter(), time.thread_time()
-        loss = ((ddp(x) - y) ** 2).sum()
-        ddp.count_items(batch)
+        loss = loss_of(ddp)
+        ddp.count_items(items)
         loss.backward()
         timed.sums["forward + backward"][0] += time.perf_counter() - wall
         timed.sums["forward + backward"][1] += time.thread_time() - cpu
@@ -168,6 +187,7 @@ def _rank(rank: int, world: int, cfg: dict[str, int]) -> dict[str, Any]:
         "state_own_bytes": state_bytes(guarded_opt.optim),
         "state_mirror_bytes": state_bytes(guarded_opt.mirror.optim),
         "params": sum(p.numel() for p in guarded.module.parameters()),
+        "model": cfg["model"],
     }
 
 
@@ -198,7 +218,10 @@ def _summary(rounds: dict[str, list[Any]]) -> dict[str, Any]:
 
 def _report(results: list[dict[str, Any]], world: int) -> None:
     first = results[0]
-    print(f"world {world}, {first['params'] / 1e6:.2f}M parameters (fp32 AdamW), loopback")
+    print(
+        f"world {world}, {first['model']}, {first['params'] / 1e6:.2f}M parameters (fp32 AdamW), "
+        "loopback"
+    )
     for what, label in (("step", "step (slowest rank)"), ("cpu", "CPU time (all ranks)")):
         plain, guarded = first[f"{what}_plain_s"], first[f"{what}_recovery_s"]
         print(
@@ -230,15 +253,18 @@ def _report(results: list[dict[str, Any]], world: int) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--world", type=int, default=4)
+    parser.add_argument("--model", choices=("mlp", "gpt"), default="mlp")
     parser.add_argument("--width", type=int, default=1024)
     parser.add_argument("--depth", type=int, default=4)
-    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--batch", type=int, help="rows (mlp: 32) or sequences (gpt: 4) a rank")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=25)
     args = parser.parse_args()
     from gradsync.testing.spawn import spawn
 
-    cfg = {k: getattr(args, k) for k in ("width", "depth", "batch", "steps", "rounds")}
+    if args.batch is None:
+        args.batch = 4 if args.model == "gpt" else 32
+    cfg = {k: getattr(args, k) for k in ("model", "width", "depth", "batch", "steps", "rounds")}
     results = spawn(_rank, args.world, (cfg,), timeout_s=1200, pg_timeout_s=120)
     _report(results, args.world)
 

@@ -79,6 +79,8 @@ class CommHook(ABC):
 
     # What the hook divides the sum by (point 4 of the Note): 1, except for torch's hooks.
     divides_by: int = 1
+    # What a wait for a bucket's handle waits for, in a deadline's message.
+    exchange: str = "the all-reduce"
 
     @abstractmethod
     def start(self, bucket: BucketLike) -> Handle:

@@ -21,7 +21,8 @@ travel up the tree too, in each rank's first piece (zeros in the others), with n
 of their own. The first piece is the bucket's own buffer, where the sum lands.
 
 On a CPU (gloo) a bucket's exchange is one job of point-to-point messages on a thread of its own,
-started when the bucket is full ([Note: the tree's exchange on a CPU] in ``tree_messages.py``).
+started when the bucket is full ([Note: the tree's exchange on a CPU] in ``tree_messages.py``);
+the first bucket's job is also the one that waits for the counts and reads the layout.
 Elsewhere (NCCL) it is the collectives ``all_to_all_single`` (step 2) and
 ``all_gather_into_tensor`` (step 4), issued in bucket order from the caller's thread: the
 scatters as the buckets fill, the combines and gathers when the reducer waits for the first
@@ -53,6 +54,8 @@ class TreeExchange(CommHook):
     """Sums each bucket's leaf pieces over ``group`` in the fixed tree's order; ``leaves``: the
     leaves of a full step (the deterministic mode's setting)."""
 
+    exchange = "the fixed tree's sum (after every rank's leaf count of the step)"
+
     def __init__(self, leaves: int, group: dist.ProcessGroup | None) -> None:
         self.leaves = leaves
         self.group = group
@@ -60,11 +63,9 @@ class TreeExchange(CommHook):
         self.rank = dist.get_rank(group)
         self.blocks = [leaf_range(leaves, self.world_size, r) for r in range(self.world_size)]
         self.stats = CommStats()
-        self._counts: torch.Tensor | None = None  # this step's leaves per rank, gathered
-        self._handles: list[TreeHandle] = []  # this step's buckets in flight, in order
-        self._count_work: Any = None
-        self.layout: StepLayout | None = None  # read from the counts at the first bucket
+        self.counts: StepCounts | None = None  # this step's, from begin_step()
         self._wait: Callable[[Any], None] = lambda work: work.wait()  # begin_step's
+        self._handles: list[TreeHandle] = []  # this step's buckets in flight, in order
         self.messages = TreeMessages(group, self.stats)  # the exchange on a CPU
 
     def begin_step(
@@ -72,38 +73,43 @@ class TreeExchange(CommHook):
     ) -> None:
         """Start gathering every rank's leaf count for the step whose reduction begins now
         (0 on a rank that has joined): issued before the step's first bucket on every rank.
-        ``wait(work)`` waits for the gather, under the caller's deadline."""
+        ``wait(work)`` waits for the gather on the caller's thread, under its deadline."""
         self._wait = wait
         mine = torch.tensor([leaves_here], dtype=torch.int64, device=device)
-        self._counts = torch.empty(self.world_size, dtype=torch.int64, device=device)
-        self.layout = None
+        counts = torch.empty(self.world_size, dtype=torch.int64, device=device)
+        work = None
         if self.world_size == 1:
-            self._counts.copy_(mine)
-            return
-        self._count_work = _all_gather(self._counts, mine, group=self.group, async_op=True)
+            counts.copy_(mine)
+        else:
+            work = _all_gather(counts, mine, group=self.group, async_op=True)
+        self.counts = StepCounts(counts, work, self.blocks)
 
-    def _step_layout(self) -> StepLayout:
-        if self.layout is None:
-            assert self._counts is not None, "begin_step() comes before the first bucket"
-            if self._count_work is not None:
-                self._wait(self._count_work)
-                self._count_work = None
-            self.layout = StepLayout(self._counts.tolist(), self.blocks)
-        return self.layout
+    @property
+    def layout(self) -> StepLayout | None:
+        """The step's layout, once its first bucket has read the counts."""
+        return None if self.counts is None else self.counts.layout
 
     def start(self, bucket: BucketLike) -> TreeHandle | AsyncHandle:
-        layout = self._step_layout()
-        mine: Sequence[tuple[Node, torch.Tensor]] = bucket.pieces(layout.total)  # type: ignore[attr-defined]
-        assert [n for n, _ in mine] == layout.pieces[self.rank], "pieces and counts disagree"
-        pieces = [t for _, t in mine]
-        buffer = bucket.buffer
-        if self.world_size > 1 and self._by_messages(buffer):
-            return self.messages.start(
-                buffer, pieces, layout.pieces, layout.total, bucket.spec.index
-            )
-        handle = TreeHandle(self, bucket, layout, pieces)
+        counts = self.counts
+        assert counts is not None, "begin_step() comes before the first bucket"
+        if self.world_size > 1 and self._by_messages(bucket.buffer):
+            # The counts are read on the worker too ([Note: the tree's exchange on a CPU]).
+            return self.messages.submit(lambda: self._by_worker(counts, bucket))
+        layout = counts.read(self._wait)
+        handle = TreeHandle(self, bucket, layout, self._pieces(bucket, layout))
         self._handles.append(handle)
         return handle
+
+    def _by_worker(self, counts: StepCounts, bucket: BucketLike) -> None:
+        # No deadline here: the caller's wait for the job is the deadline.
+        layout = counts.read(lambda work: work.wait())
+        mine = self._pieces(bucket, layout)
+        self.messages.exchange(bucket.buffer, mine, layout.pieces, layout.total, bucket.spec.index)
+
+    def _pieces(self, bucket: BucketLike, layout: StepLayout) -> list[torch.Tensor]:
+        mine: Sequence[tuple[Node, torch.Tensor]] = bucket.pieces(layout.total)  # type: ignore[attr-defined]
+        assert [n for n, _ in mine] == layout.pieces[self.rank], "pieces and counts disagree"
+        return [t for _, t in mine]
 
     @staticmethod
     def _by_messages(buffer: torch.Tensor) -> bool:
@@ -121,8 +127,25 @@ class TreeExchange(CommHook):
 
     def finish(self) -> None:
         """The step's reduction is over (or abandoned): forget its counts."""
-        self._counts, self._count_work, self.layout = None, None, None
-        self._handles = []
+        self.counts, self._handles = None, []
+
+
+class StepCounts:
+    """One step's leaf counts, gathered once (:meth:`TreeExchange.begin_step`), and the layout
+    read from them by the step's first bucket. A job of an abandoned step holds its own."""
+
+    def __init__(self, counts: torch.Tensor, work: Any, blocks: Sequence[range]) -> None:
+        self.counts, self.work, self.blocks = counts, work, blocks
+        self.layout: StepLayout | None = None
+
+    def read(self, wait: Callable[[Any], None]) -> StepLayout:
+        """The step's layout, the counts first waited for by ``wait(work)``."""
+        if self.layout is None:
+            if self.work is not None:
+                wait(self.work)
+                self.work = None
+            self.layout = StepLayout(self.counts.tolist(), self.blocks)
+        return self.layout
 
 
 class StepLayout:

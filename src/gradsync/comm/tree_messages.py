@@ -24,6 +24,13 @@ matched in the order they were posted: the pairs line up. The job waits for its 
 no deadline of its own: a gloo receive that times out closes the connection to every peer, and
 the reducer waits in slices of 50 ms while a regroup may begin ([Note: waking a survivor] in
 ``failfast/deadline.py``). The caller's wait on the job is the deadline, as for the ring.
+
+The job also does what the layout of its pieces needs: the first bucket's waits for every
+rank's leaf count of the step (``TreeExchange.begin_step``) and reads the layout from it, and
+each lays its pieces out in the buffers. Done by the caller, at the first bucket's launch, that
+wait held the rest of backward up until the slowest rank had begun its reduction: 15-38 ms a
+step at N = 4 on two cores, where the default mode's all-reduce is waited for only at the end
+(``benchmarks/2026-12-07-deterministic-cost.md``).
 """
 
 from __future__ import annotations
@@ -55,27 +62,11 @@ class TreeMessages:
         self._worker = SerialWorker("gradsync-leaf-tree")
         self.received: dict[int, torch.Tensor] = {}  # per bucket index: the peers' chunks
 
-    def start(
-        self,
-        buffer: torch.Tensor,
-        mine: list[torch.Tensor],
-        pieces: Sequence[Sequence[Node]],
-        total: int,
-        index: int,
-    ) -> AsyncHandle:
-        """Start summing bucket ``index`` into ``buffer``: ``mine`` are this rank's pieces,
-        ``mine[0]`` (if any) ``buffer`` itself; ``pieces[r]``, rank ``r``'s nodes; ``total``,
-        the step's leaves."""
-        bounds = chunk_bounds(buffer.numel(), self.world_size)
-        lo, hi = bounds[self.rank]
-        theirs = sum(len(p) for r, p in enumerate(pieces) if r != self.rank)
-        element, others = buffer.element_size(), buffer.numel() - (hi - lo)
-        self.stats.calls += 1
-        self.stats.bytes_sent += (len(mine) * others + (self.world_size - 1) * (hi - lo)) * element
-        self.stats.bytes_received += (theirs * (hi - lo) + others) * element
-        return self._worker.submit(lambda: self._exchange(buffer, mine, pieces, total, index))
+    def submit(self, job: Callable[[], None]) -> AsyncHandle:
+        """Run ``job`` (a bucket's :meth:`exchange`, after what it needs) on the worker."""
+        return self._worker.submit(job)
 
-    def _exchange(
+    def exchange(
         self,
         buffer: torch.Tensor,
         mine: list[torch.Tensor],
@@ -83,12 +74,15 @@ class TreeMessages:
         total: int,
         index: int,
     ) -> None:
-        """One bucket's scatter, combine and gather, on the worker."""
+        """Sum bucket ``index`` into ``buffer``, on the worker: ``mine`` are this rank's
+        pieces, ``mine[0]`` (if any) ``buffer`` itself; ``pieces[r]``, rank ``r``'s nodes;
+        ``total``, the step's leaves."""
         rank = self.rank
         bounds = chunk_bounds(buffer.numel(), self.world_size)
         lo, hi = bounds[rank]
         length = hi - lo
         theirs = sum(len(p) for r, p in enumerate(pieces) if r != rank)
+        self._count(buffer, len(mine), theirs, length)
         received = self._receive_buffer(index, theirs * length, buffer)
         chunks: dict[Node, torch.Tensor] = {}
         works = []
@@ -124,6 +118,14 @@ class TreeMessages:
         works += [self._message(dist.isend, summed, r, _GATHER_TAG) for r in peers if length]
         for work in works:
             work.wait()
+
+    def _count(self, buffer: torch.Tensor, pieces: int, theirs: int, length: int) -> None:
+        """What one bucket's exchange sends and receives, in ``stats`` (only the worker writes
+        them)."""
+        element, others = buffer.element_size(), buffer.numel() - length
+        self.stats.calls += 1
+        self.stats.bytes_sent += (pieces * others + (self.world_size - 1) * length) * element
+        self.stats.bytes_received += (theirs * length + others) * element
 
     def _message(
         self, post: Callable[..., dist.Work | None], tensor: torch.Tensor, peer: int, tag: int

@@ -56,7 +56,7 @@ class LaunchQueue:
         without a host deadline, then for the device too, before the readout's host read."""
         for bucket in self.buckets:
             assert bucket.work is not None
-            what = f"the all-reduce of bucket {bucket.spec.index} ({step})"
+            what = f"{self.comm_hook.exchange} of bucket {bucket.spec.index} ({step})"
             deadline.wait(bucket.work, what, host_deadline=host_deadline)
         if not host_deadline and deadline.world_size > 1:
             done = torch.cuda.Event()
