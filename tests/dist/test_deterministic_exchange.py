@@ -6,8 +6,9 @@ On a CPU a bucket's tree is exchanged in point-to-point messages on a worker thr
 CPU] in ``comm/tree_messages.py``). The second is forced here on gloo, so that both run: at 3
 ranks, 16 leaves a step (blocks of 4, 6 and 6 leaves: 1, 2 and 2 pieces) and a bucket per
 parameter, both end with the bits of one process. And from the second step on, every bucket's
-buffer and every receive buffer is the memory of the step before: new memory costs a CPU a page
-fault per 4 KiB (the bench's step took 2,850 more, an 11.7 MB bucket's worth, when it was not).
+buffer, every receive buffer and every second piece's buffer is the memory of the step before:
+new memory costs a CPU a page fault per 4 KiB (the bench's step took 2,850 more, an 11.7 MB
+bucket's worth, when it was not).
 """
 
 from __future__ import annotations
@@ -64,11 +65,13 @@ def _train(rank: int, world: int, messages: bool) -> dict[str, Any]:
 
 def _storages(ddp: Any) -> list[int]:
     """Where the buffers of the buckets that hand theirs over to ``.grad`` (of the weights;
-    a bias's is copied out) and every receive buffer lie."""
+    a bias's is copied out), every receive buffer and every second piece's buffer lie."""
     buckets = [b for b in ddp.reducer.buckets if b.hands_over]
     grads = [b.params[0].grad.untyped_storage().data_ptr() for b in buckets]
     exchange = ddp.reducer.comm_hook
-    return grads + [t.untyped_storage().data_ptr() for t in exchange.messages.received.values()]
+    spares = [t for b in ddp.reducer.buckets for t in b.spares]
+    kept = [*exchange.messages.received.values(), *spares]
+    return grads + [t.untyped_storage().data_ptr() for t in kept]
 
 
 @pytest.mark.timeout(300)
@@ -87,5 +90,7 @@ def test_the_messages_and_the_collectives_are_the_same_bits_as_one_process() -> 
 def test_a_step_on_a_cpu_takes_no_new_memory() -> None:
     for rank, got in enumerate(spawn(_train, 3, (True,))):
         memory = got["memory"]
-        assert len(memory[1]) == 2 + 4, memory[1]  # two weights' buckets, four receive buffers
+        # two weights' buckets, four receive buffers and, where a rank holds two pieces (ranks
+        # 1 and 2), four second pieces' buffers
+        assert len(memory[1]) == 2 + 4 + (4 if rank else 0), memory[1]
         assert all(m == memory[1] for m in memory[2:]), (rank, memory)

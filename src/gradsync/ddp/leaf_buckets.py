@@ -58,6 +58,10 @@ class LeafBucket(AccumulatingBucket):
         self.left_open = False  # an even leaf's gradients wait in .grad for the next leaf's
         super().__init__(spec, params, tail_numel=tail_numel, layouts=layouts)
         self.leaf: list[torch.Tensor | None] = [None] * len(self.params)  # the running leaf
+        # The second and later pieces' buffers (a block of leaves that is not one subtree),
+        # kept between steps as the exchange's receive buffers are: new memory each step costs
+        # a CPU a page fault per 4 KiB.
+        self.spares: list[torch.Tensor] = []
         # DTensor gradients are not paired: [Note: leaves on a device mesh] (deterministic.py)
         self.pairs = all(
             p.dtype == self.grads.dtype and layout is None
@@ -131,11 +135,18 @@ class LeafBucket(AccumulatingBucket):
                 torch._foreach_copy_(self.views, grads)
                 out.append((node, self.buffer))
                 continue
-            flat = self.buffer.new_empty(self.buffer.shape)
+            flat = self._spare(len(out) - 1)
             torch._foreach_copy_([flat[a : a + v.numel()].view(v.shape) for a, v in where], grads)
             flat[n:].zero_()
             out.append((node, flat))
         return out
+
+    def _spare(self, i: int) -> torch.Tensor:
+        """Spare buffer ``i``, laid out as the bucket's buffer; free again once the step's
+        exchange is over, before the next step lays its pieces out."""
+        if i == len(self.spares):
+            self.spares.append(self.buffer.new_empty(self.buffer.shape))
+        return self.spares[i]
 
     def gather(self, scale: float | None) -> None:
         # The synchronised backward's leaf is complete in this bucket: it joins the fold. In a
