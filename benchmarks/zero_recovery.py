@@ -63,8 +63,12 @@ def _workload(
     if cfg["model"] == "gpt":
         gpt = GPTConfig(vocab_size=64, block_size=64, n_layer=4, n_head=4, n_embd=256)
         tokens = torch.randint(0, gpt.vocab_size, (batch, gpt.block_size), generator=g)
-        torch.manual_seed(0)
-        return lambda: GPT(gpt), lambda m: lm_loss(m(tokens), tokens, "sum"), tokens.numel()
+
+        def language_model() -> nn.Module:
+            torch.manual_seed(0)  # each replica the same weights, as the MLP's
+            return GPT(gpt)
+
+        return language_model, lambda m: lm_loss(m(tokens), tokens, "sum"), tokens.numel()
 
     def mlp() -> nn.Module:
         torch.manual_seed(0)
