@@ -1,7 +1,10 @@
 """A rank that dies inside a collective is named, as dead, by every survivor within the deadline.
 
-Its arrival record says it reached the operation, like everyone's; what names it is the roll call
-after the failure (``gradsync/failfast/liveness.py``): on one host, its process is gone. Three
+A rank that died while it waited in the collective has an arrival record that says it reached
+the operation, like everyone's; one killed in its backward, before it waited, has not written
+it ([Note: records written when waiting] in ``gradsync/failfast/arrivals.py``) and is named
+with the last operation every rank took part in. What names it dead is the roll call after the
+failure (``gradsync/failfast/liveness.py``): on one host, its process is gone. Three
 ranks, so that "which one" means something: rank 2 dies, ranks 0 and 1 must both name rank 2.
 When the dead rank took the store along (rank 0 serves it without torchrun), the survivors name
 it from the processes they read at construction. Each case gets fresh processes
@@ -18,6 +21,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -63,7 +67,8 @@ def _die_inside(
     rank: int, world: int, how: str, where: str, culprit: int = CULPRIT, port: int = 0
 ) -> tuple[str | None, float]:
     """One synchronised step, then ``culprit`` dies inside the next step's collective ``where``
-    ("all-reduce": a bucket's, "ring": gradsync's ring of sends, "zero": ZeRO's all-gather);
+    ("all-reduce": a bucket's, "ring": gradsync's ring of sends, "zero": ZeRO's all-gather;
+    "waiting": a bucket's, once it has waited there a while, for rank 0, who comes late);
     the survivors' error text and how long they waited for it. With ``port`` the job runs on
     a TCP store served by rank 0's process, as ``init_process_group`` makes without torchrun."""
     if port:
@@ -79,18 +84,33 @@ def _die_inside(
         opt.step()
     if rank == culprit and opt is not None:
         _DyingSGD.armed = True
+    elif rank == culprit and where == "waiting":
+        # Dies from a thread, long after its wait began (and wrote its record to the store).
+        die = threading.Timer(0.5, _die, (how,))
+        model.body.weight.register_post_accumulate_grad_hook(lambda _: die.start())
     elif rank == culprit:
         # Runs after gradsync's own hook on this parameter: the culprit has begun the step's
-        # reduction (its arrival record says so) and the others wait for it in the all-reduce.
+        # reduction, but not waited in it, and the others wait for it in the all-reduce.
         model.body.weight.register_post_accumulate_grad_hook(lambda _: _die(how))
     t0 = time.monotonic()
 
     def next_step() -> None:
+        if rank == 0 and where == "waiting":
+            time.sleep(1.5)  # the all-reduce cannot end before the culprit dies
         _step(ddp, rank, world, 1)
         if opt is not None:
             opt.step()
 
     return error_text(next_step), time.monotonic() - t0
+
+
+# Where a culprit killed before it waited was last seen: the last operation that every rank took
+# part in, the previous step's.
+_BEFORE = {
+    "all-reduce": "the gradient reduction of step 0",
+    "ring": "the gradient reduction of step 0",
+    "zero": "the sharded optimizer's step 1",
+}
 
 
 def _check_survivors(results: list, how: str, where: str) -> None:
@@ -102,7 +122,16 @@ def _check_survivors(results: list, how: str, where: str) -> None:
             continue
         text, waited = results[rank]
         assert text and text.startswith("CollectiveTimeoutError"), (rank, text)
-        assert f"rank {CULPRIT} died inside it (its process " in text, (rank, text)
+        inside = f"rank {CULPRIT} died inside it (its process " in text
+        last_seen = re.search(
+            rf"rank {CULPRIT}: last seen [0-9.]+ s ago at [^;]*{_BEFORE.get(where, '')}", text
+        )
+        if where == "waiting":  # it had written its record: it died in the operation
+            assert inside and not last_seen, (rank, text)
+        elif where == "zero":  # in the sharded step, after its reduce-scatter: if that took a
+            assert inside or last_seen, (rank, text)  # while, it wrote its record there
+        else:  # killed in its backward, before it waited: last seen where every rank was
+            assert last_seen and "(then it died: its process " in text, (rank, text)
         assert "is gone)" in text, (rank, text)
         assert waited < DEADLINE + 1, (rank, waited, text)  # the deadline, then a roll call
         # In a ring only the dead rank's neighbours see it go at once; the third waits for a
@@ -114,13 +143,14 @@ def _check_survivors(results: list, how: str, where: str) -> None:
             assert f"rank {other} did not answer after the failure: dead" not in text, text
             if not ring:
                 assert f"rank {other} did not answer" not in text, (rank, text)
-        if not ring:
-            assert "lost a peer" in text and "every rank reached this operation" in text, text
+        if where in ("all-reduce", "waiting"):
+            assert "lost a peer" in text, (rank, text)
 
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize(
-    ("how", "where"), [("sigkill", "all-reduce"), ("exit", "ring"), ("sigkill", "zero")]
+    ("how", "where"),
+    [("sigkill", "all-reduce"), ("exit", "ring"), ("sigkill", "zero"), ("sigkill", "waiting")],
 )
 def test_a_rank_that_dies_inside_a_collective_is_named_dead_by_every_survivor(
     how: str, where: str

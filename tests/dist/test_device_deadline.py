@@ -30,10 +30,12 @@ def _rank(rank: int, world: int) -> dict[str, Any]:
     deadline = new_wrapper_deadline(None, timedelta(seconds=TIMEOUT_S), torch.device("cpu"))
     out: dict[str, Any] = {}
     if rank == 0:
-        deadline.begin("the gradient reduction of step 0")
+        # An event that completes says every rank took part in the operation: here, the
+        # construction, which rank 1 did take part in.
         finishing = FakeEvent(after=50)
-        deadline.wait_device(finishing, "the gradient reduction of step 0")
+        deadline.wait_device(finishing, "the construction")
         out["waited_queries"] = finishing.queries
+        deadline.begin("the gradient reduction of step 0")
         start = time.monotonic()
         try:
             deadline.wait_device(FakeEvent(after=None), "the gradient reduction of step 0")

@@ -77,8 +77,9 @@ def test_a_dead_or_stalled_rank_ends_the_job_naming_it(fault: str, tmp_path: Pat
 
 @pytest.mark.timeout(150)
 def test_a_rank_killed_inside_the_all_reduce_is_named_dead(tmp_path: Path) -> None:
-    # Rank 1's arrival record says it reached the step's reduction, like rank 0's: what names
-    # it is the roll call after the failure (gradsync/failfast/liveness.py).
+    # Rank 1's arrival record says it reached the step's reduction, like rank 0's (it wrote it
+    # while it waited there): what names it is the roll call after the failure
+    # (gradsync/failfast/liveness.py).
     proc, elapsed = run_job("sigkill-inside", tmp_path, "--monitor-interval", "2")
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0, out

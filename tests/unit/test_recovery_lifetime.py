@@ -13,8 +13,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import gradsync
 from gradsync.data import GlobalBatchSampler
-from gradsync.failfast import deadline
-from gradsync.failfast.deadline import regroup_begun, watch_for_regroups, watching
+from gradsync.failfast import waiting
+from gradsync.failfast.waiting import regroup_begun, watch_for_regroups, watching
 from gradsync.recovery import Recovery
 
 
@@ -36,7 +36,7 @@ def test_the_newest_live_watch_is_asked_and_none_once_all_are_gone() -> None:
     assert watching() and not regroup_begun()  # the one before, still alive
     del first
     gc.collect()
-    assert not watching() and deadline._watches == []
+    assert not watching() and waiting._watches == []
 
 
 @pytest.mark.usefixtures("one_rank")
@@ -59,5 +59,5 @@ def test_a_recovery_done_and_collected_leaves_no_watch_and_no_hook() -> None:
     assert recovery.completed == 2 and len(opt._optimizer_step_pre_hooks) == len(hooks) + 1
     del recovery, step
     gc.collect()
-    assert not watching() and deadline._watches == []
+    assert not watching() and waiting._watches == []
     assert dict(opt._optimizer_step_pre_hooks) == hooks  # the undo copy is no longer taken

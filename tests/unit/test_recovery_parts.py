@@ -19,8 +19,8 @@ from torch.distributed.device_mesh import init_device_mesh
 import gradsync
 from gradsync.data import GlobalBatchSampler
 from gradsync.failfast import liveness
-from gradsync.failfast.deadline import wait_watching
 from gradsync.failfast.liveness import ProcessId, process_state, this_process
+from gradsync.failfast.waiting import wait_watching
 from gradsync.optim import mirror
 from gradsync.optim.mirror import same_bits
 from gradsync.recovery import Membership, NoRecoveryError, RankExcludedError, Recovery, Report, heal

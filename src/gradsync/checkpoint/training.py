@@ -39,7 +39,8 @@ from gradsync.checkpoint.state import TrainingObjects, mismatches, refuse_resize
 from gradsync.ddp.compat.state_keys import RanksOutOfData
 from gradsync.elastic import joining
 from gradsync.errors import CheckpointError, CollectiveTimeoutError, ProtocolError, UsageError
-from gradsync.failfast.deadline import Deadline, as_timedelta, regroup_begun, watching
+from gradsync.failfast.deadline import Deadline, as_timedelta
+from gradsync.failfast.waiting import regroup_begun, watching
 from gradsync.optim.master import MasterWeights
 
 

@@ -113,6 +113,9 @@ class JoinProtocol:
         """Answer one round of the active ranks' collectives; ``False`` once none is active.
         Without an ``optimizer`` the reduced gradients are not applied here (torch's Join)."""
         self.deadline.begin(WAITING)
+        # Now, not once a wait lasts: a collective of the loop's own fails on the ranks with
+        # data at once, and their error reads this record to say why (``join_exit.py``).
+        self.deadline.arrivals.publish()
         num_active, syncing, broadcasting = self.handshake(False, False, False)
         if num_active == 0:
             return False

@@ -2,21 +2,35 @@
 
 A collective that times out only tells the waiting rank that *someone* did not come; gloo's
 message names no rank ("Connection closed by peer", or a timeout). So that every survivor can
-say *which* rank is missing and where it was last seen, each rank writes one small record to
-the c10d store (the rendezvous store every process group already has) when it starts one of
-gradsync's operations: ``"<sequence>|<unix time>|<process>|<what>"``, under a key per global
-rank. The sequence number counts gradsync's operations on the group, which every rank runs in
-the same order, so a rank whose record is behind the reader's never arrived. This follows
-torch's flight recorder for NCCL, which keeps per-rank collective records for the same purpose.
+say *which* rank is missing and where it was last seen, each rank keeps one small record of
+the gradsync operation it has started, ``"<sequence>|<unix time>|<process>|<what>"``, and puts
+it in the c10d store (the rendezvous store every process group already has) under a key per
+global rank when its peers may need it. The sequence number counts gradsync's operations on
+the group, which every rank runs in the same order, so a rank whose record is behind the
+reader's never arrived. This follows torch's flight recorder for NCCL, which keeps per-rank
+collective records for the same purpose.
+
+[Note: records written when waiting]
+A record is read only after a failure, by a rank that waited: at its deadline, or when a peer
+went away. So a rank writes its record when one of its waits outlasts a moment
+(``waiting.SLOW_S``), at construction, and when it fails or raises; a step whose collectives
+are quick writes nothing. A store write every step cost each rank a round of the store's
+thread (four ranks sharing two cores: 4 % of a host-bound step) and would cost the store's
+host N writes a step. Two things follow for the reader:
+- A rank that has not written its record for this operation is not waiting in it. What the
+  reader knows of it besides its record: it took part in the last collective that needed
+  every rank and ended here (:meth:`ArrivalRecords.took_part`), so it was last seen there at
+  the latest, which is what a record written every step would say of a rank that never came.
+- A rank killed before it waited in the operation (in its backward) is named as dead with
+  that place, not as dead inside the operation: it had not written that it was there.
 
 A rank that died *inside* a collective has a record like everyone's. So each record also names
 the process that wrote it (``liveness.py``), and after a failure the survivors hold a roll call:
 :meth:`ArrivalRecords.after_failure` names the dead ("rank 2 died inside it (its process 1234
 on host h is gone)"), the silent and the living, within a bound even if the store hangs.
 
-Cost: one store write per synchronised step (a round trip to the store: tens of microseconds on
-one host), never a collective. Reads happen only on the error path, and only for keys that
-exist (``check`` first), so a rank that never wrote cannot make the reader block.
+Reads happen only on the error path, and only for keys that exist (``check`` first), so a rank
+that never wrote cannot make the reader block.
 """
 
 from __future__ import annotations
@@ -71,14 +85,35 @@ class ArrivalRecords:
         # host can still look up once the store is gone.
         self._processes: dict[int, ProcessId] = {}
         self._store_lost: str | None = None  # why the store was given up, if it was
+        # This rank's record (kept here until a wait outlasts a moment) and, of the operations
+        # whose collectives needed every rank, the last that ended here (the others were there).
+        self._mine = Record(0, time.time(), "", None)
+        self._published = True
+        self._together: Record | None = None
 
     def _key(self, rank: int) -> str:
         return f"{self.namespace}{self.global_ranks[rank]}"
 
     def record(self, seq: int, what: str) -> None:
-        """Say that this rank has started operation number ``seq`` (``what``)."""
+        """This rank has started operation number ``seq`` (``what``): kept here until
+        :meth:`publish` ([Note: records written when waiting])."""
+        self._mine = Record(seq, time.time(), what, None)
+        self._published = False
+
+    def publish(self) -> None:
+        """Put this rank's record in the store, once per record: a wait has outlasted a moment,
+        or this rank fails."""
+        if self._published:
+            return
+        self._published = True
+        seq, stamp, what, _ = self._mine
         # A failing store (its host died) is dropped inside _set: the collective will tell.
-        self._set(self._key(self.rank), f"{seq}|{time.time():.3f}|{self._process}|{what}")
+        self._set(self._key(self.rank), f"{seq}|{stamp:.3f}|{self._process}|{what}")
+
+    def took_part(self) -> None:
+        """A collective of the current operation that needs every rank has ended here: every
+        rank of the group has reached it."""
+        self._together = self._mine
 
     def read(self) -> dict[int, tuple[int, float, str]]:
         """Every rank's last record that exists: rank -> (sequence, unix time, what)."""
@@ -111,6 +146,7 @@ class ArrivalRecords:
         up before this one came). Waits in the store: no collective is involved, so a rank
         that never comes cannot hold this rank past the deadline. Every rank calls it once
         per ``seq``."""
+        self.publish()
         if self.store is None:
             return []
         # A count of arrivals, and a mark set by the last to arrive: three store operations
@@ -130,6 +166,7 @@ class ArrivalRecords:
                 self._set(f"{self.namespace}abandoned/{seq}", "1")
             return behind
         self._remember_processes()
+        self.took_part()
         # A rank that already gave up will not take part: arriving now is too late.
         return [-1] if self._exists(f"{self.namespace}abandoned/{seq}") else []
 
@@ -197,18 +234,21 @@ class ArrivalRecords:
             self._lose_store(first_line(error))
         if self.store is None:
             return self._without_store(seconds)
+        floor = 0 if self._together is None else self._together.seq
         others: dict[int, tuple[str, ProcessId | None]] = {}
         for rank in range(len(self.global_ranks)):
             rec = records.get(rank)
-            if rank != self.rank:  # it answers at the operation it fails at: its record's
-                at = seq if rec is None else rec.seq
+            if rank != self.rank:  # it answers at the operation it fails at: its record's if it
+                # wrote one there (it waited), else this one (a survivor writes it as it fails)
+                at = seq if rec is None or rec.seq <= floor else rec.seq
                 others[rank] = (self._answer_key(rank, at), None if rec is None else rec.process)
         try:
             fates = roll_call(self.store, self._answer_key(self.rank, seq), others, seconds)
         except Exception as exc:
             self._lose_store(first_line(exc))
             return self._without_store(seconds)
-        return self._describe(records, seq, what, fates)
+        later, _ = self._read_all()  # the records the others wrote as they failed
+        return self._describe({**records, **later}, seq, what, fates)
 
     def _without_store(self, seconds: float) -> str:
         """What can be said once the store is gone: which ranks' processes (as last read) this
@@ -234,12 +274,14 @@ class ArrivalRecords:
     def _describe(
         self, records: Mapping[int, Record], seq: int, what: str, fates: Mapping[int, Fate]
     ) -> str:
-        now = time.time()
+        now, floor = time.time(), self._together
         lines, inside = [], []
         for rank in range(len(self.global_ranks)):
             rec, fate = records.get(rank), fates.get(rank)
             if rank == self.rank:
                 continue
+            if rec is not None and floor is not None and rec.seq < floor.seq:  # it was there
+                rec = floor._replace(process=rec.process)
             if rec is None:
                 lines.append(f"rank {rank}: never seen by gradsync")
             elif rec.seq < seq or (rec.seq == seq and what and rec.what != what):

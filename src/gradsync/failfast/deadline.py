@@ -19,7 +19,6 @@ from __future__ import annotations
 import math
 import pickle
 import time
-import weakref
 from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any, Protocol
@@ -30,6 +29,7 @@ import torch.distributed as dist
 from gradsync.errors import CollectiveTimeoutError, ProtocolError, UsageError, first_line
 from gradsync.failfast.arrivals import ArrivalRecords
 from gradsync.failfast.group import private_group, release_group
+from gradsync.failfast.waiting import SLOW_S, current_watch, wait_in_slices, watching
 from gradsync.mesh.dtensors import local
 
 
@@ -48,83 +48,6 @@ class DeviceEvent(Protocol):
 
 
 _ROLL_CALL_S = 2.0  # the longest a failed rank waits for its peers' answers (liveness.py)
-_SLICE_S = 0.05  # while a regroup may begin: how often a waiting rank looks for one
-
-
-class RegroupWatch(Protocol):
-    """What in-process recovery (``gradsync.recovery``) gives every deadline of the process."""
-
-    def begun(self) -> bool:
-        """Whether another rank has begun a regroup: stop waiting for a collective."""
-
-
-# The watches of this process, newest last. Held weakly: a watch is a Recovery, which holds a
-# store client and a copy of the parameters; a strong reference here kept them for the life of
-# the process, and every later wait looked at that store. Gone with the last Recovery.
-_watches: list[weakref.ref[RegroupWatch]] = []
-
-
-def watch_for_regroups(watch: RegroupWatch) -> None:
-    """Make every deadline of this process give up a wait once ``watch`` says a regroup began,
-    for as long as ``watch`` lives (it is held weakly; the newest live watch is asked).
-
-    [Note: waking a survivor]
-    When a rank dies, only the ranks that exchange data with it directly see their connection
-    close; a survivor waiting for a live peer that has already left the collective (to regroup)
-    would wait for the deadline. With a watch, waits run in slices of ``_SLICE_S`` and look at
-    the store between slices: one ``check`` per 50 ms of waiting, nothing for a collective that
-    is done when it is waited for (the common case at the end of an overlapped backward). The
-    failed rank's own roll call is left to the regroup's, which holds one anyway."""
-    _watches.append(weakref.ref(watch, _forget))
-
-
-def _forget(gone: weakref.ref[RegroupWatch]) -> None:
-    """Called by the garbage collector, on whatever thread it runs, when a watch is freed."""
-    _watches[:] = [ref for ref in _watches if ref is not gone]
-
-
-def _current_watch() -> RegroupWatch | None:
-    """The watch deadlines look at now: the newest that lives, or ``None``."""
-    for ref in reversed(_watches):
-        watch = ref()
-        if watch is not None:
-            return watch
-    return None
-
-
-def wait_watching(
-    handle: Any, watch: RegroupWatch, timeout: timedelta, start: float | None = None
-) -> None:
-    """``handle.wait()`` within ``timeout`` (counted from ``start``, ``time.monotonic()``), in
-    slices, giving up with ``RuntimeError`` once ``watch`` says a regroup began ([Note: waking a
-    survivor])."""
-    limit = timeout.total_seconds()
-    start = time.monotonic() if start is None else start
-    while True:
-        left = limit - (time.monotonic() - start)
-        try:
-            handle.wait(timeout=timedelta(seconds=max(min(_SLICE_S, left), 0.001)))
-            return
-        except RuntimeError:
-            if handle.is_completed():  # done since the slice ran out, or its own error:
-                handle.wait()  # returns, or raises that error (not the slice's timeout)
-                return
-            if left <= _SLICE_S:  # the deadline
-                raise
-        if watch.begun():
-            raise RuntimeError("another rank began to regroup after losing a peer")
-
-
-def regroup_begun() -> bool:
-    """Whether a regroup has begun that this process should stop waiting for peers for."""
-    watch = _current_watch()
-    return watch is not None and watch.begun()
-
-
-def watching() -> bool:
-    return _current_watch() is not None
-
-
 _CULPRITS = (
     "A rank that does not arrive may be busy with rank-specific work (saving, evaluating on "
     "rank 0 only), blocked in a collective the others do not issue (e.g. a logging all_reduce "
@@ -160,8 +83,9 @@ class Deadline:
     """gradsync's collectives on one process group, each bounded by ``timeout``.
 
     ``begin(what)`` marks the start of one of gradsync's operations (construction, a training
-    step, a join round, a check): it refuses to start after a failure and writes this rank's
-    arrival record. ``wait`` / ``gather_objects`` / ``all_reduce`` do the waiting.
+    step, a join round, a check): it refuses to start after a failure and keeps this rank's
+    arrival record, which a wait that lasts puts in the store. ``wait`` / ``gather_objects`` /
+    ``all_reduce`` do the waiting.
     """
 
     def __init__(
@@ -251,26 +175,41 @@ class Deadline:
         self.arrivals.record(
             self.seq, f"{self.where}, where it raised {type(error).__name__}: {summary}"
         )
+        self.arrivals.publish()
 
-    def wait(self, handle: Handle | dist.Work, what: str, *, host_deadline: bool = True) -> None:
+    def wait(
+        self,
+        handle: Handle | dist.Work,
+        what: str,
+        *,
+        host_deadline: bool = True,
+        together: bool = True,
+    ) -> None:
         """Wait for ``handle`` under the deadline; on a timeout or a lost peer raise
         :class:`CollectiveTimeoutError` on this rank, naming who is missing.
 
         ``host_deadline=False`` waits without a host-side deadline: on NCCL a wait with a
         timeout blocks the host until the GPU is done, once per bucket, which would stall the
         launch of the rest of backward; there the process group's own timeout is the deadline.
+        ``together=False``: ``handle``'s collective can end on this rank before every rank has
+        joined it (a broadcast), so its end says nothing of where the others are.
         """
-        start, watch = time.monotonic(), _current_watch()
+        start, on_cpu = time.monotonic(), self.device.type == "cpu"
         try:
-            if not host_deadline:
+            if not host_deadline:  # the stream waits: the host waits at wait_device
+                if on_cpu:  # gloo with CUDA tensors: this wait blocks the host after all
+                    self.arrivals.publish()
                 handle.wait()
-            elif watch is not None and hasattr(handle, "is_completed"):
-                wait_watching(handle, watch, self.timeout, start)
-            else:
-                handle.wait(timeout=self.timeout)
+            else:  # a timed-out wait on NCCL aborts the communicator: no slices on their own
+                if not on_cpu:
+                    self.arrivals.publish()
+                on_slow = self.arrivals.publish if on_cpu else None
+                wait_in_slices(handle, self.timeout, start, watch=current_watch(), on_slow=on_slow)
         except RuntimeError as exc:
             self._fail(what, exc, time.monotonic() - start)
         self._recent.append(handle)
+        if together and (host_deadline or on_cpu):  # done, and it needed every rank
+            self.arrivals.took_part()
 
     def wait_device(self, done: DeviceEvent, what: str) -> None:
         """Wait until the GPU has passed ``done`` (a CUDA event recorded after ``what``'s
@@ -291,9 +230,13 @@ class Deadline:
             waited = time.monotonic() - start
             if waited > limit:
                 self._fail(what, TimeoutError("the GPU did not get past it"), waited)
+            if waited > SLOW_S:
+                self.arrivals.publish()
             time.sleep(0 if waited < 0.005 else 0.0002)
+        self.arrivals.took_part()
 
     def _fail(self, what: str, exc: BaseException, waited: float) -> None:
+        self.arrivals.publish()  # before the roll call: the others read it there
         cause = first_line(exc)
         limit = self.timeout.total_seconds()
         if waited < 0.9 * limit:  # not the deadline: a peer went away
@@ -357,9 +300,9 @@ class Deadline:
             )
         return [their_obj for _, their_obj in every]
 
-    def _wait_collective(self, work: dist.Work | None, what: str) -> None:
+    def _wait_collective(self, work: dist.Work | None, what: str, together: bool = True) -> None:
         assert work is not None
-        self.wait(work, what)
+        self.wait(work, what, together=together)
 
     def broadcast(self, tensors: Sequence[torch.Tensor], src: int, what: str) -> None:
         """Overwrite ``tensors`` with group rank ``src``'s values: one broadcast per dtype and
@@ -372,7 +315,9 @@ class Deadline:
             flat = torch.cat([local(t).detach().reshape(-1) for t in group_tensors])
             self.check_usable()
             self._wait_collective(
-                dist.broadcast(flat, group=self.group, group_src=src, async_op=True), what
+                dist.broadcast(flat, group=self.group, group_src=src, async_op=True),
+                what,
+                together=False,
             )
             offset = 0
             with torch.no_grad():

@@ -14,8 +14,8 @@ peer") names a socket address, not a rank. Two sources tell the dead from the li
   answer. From another host a rank without an answer is "dead, or stuck": a stopped process, or
   one still blocked in its own wait, does not answer either.
 
-Nothing here costs a step anything: the identity rides in the arrival record that each step
-writes anyway (a few more bytes in the same store write); the rest runs after a failure only.
+Nothing here costs a step anything: the identity rides in the arrival record (a few more bytes
+in the same store write); the rest runs after a failure only.
 """
 
 from __future__ import annotations

@@ -20,7 +20,8 @@ import torch.distributed as dist
 
 from gradsync.ddp.checks.tags import steps_differ
 from gradsync.errors import CollectiveTimeoutError, DesyncError
-from gradsync.failfast.deadline import RegroupWatch, small_tensors_device, wait_watching
+from gradsync.failfast.deadline import small_tensors_device
+from gradsync.failfast.waiting import RegroupWatch, wait_watching
 
 
 def stamped_all_reduce(

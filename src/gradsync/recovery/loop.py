@@ -35,7 +35,7 @@ from gradsync.data import GlobalBatchSampler
 from gradsync.ddp.wrapper import DistributedDataParallel
 from gradsync.elastic import joining
 from gradsync.errors import GradsyncError, UsageError, first_line
-from gradsync.failfast.deadline import watch_for_regroups
+from gradsync.failfast.waiting import watch_for_regroups
 from gradsync.recovery import heal, shares
 from gradsync.recovery.collectives import stamped_all_reduce
 from gradsync.recovery.coverage import check_covered

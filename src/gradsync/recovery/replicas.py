@@ -48,7 +48,7 @@ import torch
 import torch.distributed as dist
 
 from gradsync.errors import UsageError
-from gradsync.failfast.deadline import RegroupWatch
+from gradsync.failfast.waiting import RegroupWatch
 from gradsync.mesh.rebuild import flattened_axes, rebuild_in_place
 from gradsync.recovery.collectives import stamped_barrier
 from gradsync.recovery.membership import Membership, NoRecoveryError

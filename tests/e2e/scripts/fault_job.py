@@ -5,11 +5,11 @@
 FAULT is one of ``sigstop`` (rank 1 stops itself), ``sigkill`` (rank 1 kills itself),
 ``exit`` (rank 1 exits with code 3), ``slow`` (rank 1 sleeps far past the deadline), ``eval``
 (rank 1 switches to eval mode with BatchNorm while the others train) and ``sigkill-inside``
-(rank 1 kills itself at the first gradient of its backward, once its gradient reduction has
-begun: rank 0 is then inside the reduction with it, and rank 1's arrival record says it got
-there). The job uses torch's default process-group timeout (30 minutes), as users' jobs do:
-only gradsync's ``timeout`` may end it. Rank 0 prints ``ELAPSED <seconds>`` from the fault to
-its error, and ignores torchrun's SIGTERM so that it is not killed before it has printed.
+(rank 1 kills itself while it waits in the step's gradient all-reduce for rank 0, who comes
+late, once its arrival record says it got there). The job uses torch's default process-group
+timeout (30 minutes), as users' jobs do: only gradsync's ``timeout`` may end it. Rank 0 prints
+``ELAPSED <seconds>`` from the fault to its error, and ignores torchrun's SIGTERM so that it is
+not killed before it has printed.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import argparse
 import os
 import signal
 import sys
+import threading
 import time
 
 import torch
@@ -57,6 +58,8 @@ def main() -> None:
                 t_fault = time.monotonic()
                 if rank == 1:
                     misbehave(args.fault, ddp)
+                elif args.fault == "sigkill-inside":
+                    time.sleep(1.5)  # rank 1 waits for rank 0 in the all-reduce, and dies there
             x, y = torch.randn(16, 8), torch.randint(0, 4, (16,))
             opt.zero_grad()
             F.cross_entropy(ddp(x), y).backward()
@@ -81,11 +84,11 @@ def misbehave(fault: str, ddp: gradsync.DistributedDataParallel) -> None:
     elif fault == "eval":
         ddp.eval()
     elif fault == "sigkill-inside":
-        # At the step's first gradient, after gradsync's own hook on that parameter has begun the
-        # reduction (and written the record). Not at the last gradient: the all-reduce could then
-        # finish with rank 0 before the kill, and rank 0 would wait for rank 1 one step later.
-        for p in ddp.module.parameters():
-            p.register_post_accumulate_grad_hook(lambda _: _kill_once_recorded())
+        # From a thread, half a second after the step's first gradient: rank 1 waits in the
+        # all-reduce by then (rank 0 comes a second later), and a wait that long has written
+        # its arrival record to the store.
+        killer = threading.Timer(0.5, _kill_once_recorded)
+        ddp.module[0].weight.register_post_accumulate_grad_hook(lambda _: killer.start())
 
 
 def _kill_once_recorded() -> None:
