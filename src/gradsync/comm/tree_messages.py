@@ -23,7 +23,7 @@ jobs run in bucket order, the same on every rank, and messages of one tag betwee
 matched in the order they were posted: the pairs line up. The job waits for its messages with
 no deadline of its own: a gloo receive that times out closes the connection to every peer, and
 the reducer waits in slices of 50 ms while a regroup may begin ([Note: waking a survivor] in
-``failfast/deadline.py``). The caller's wait on the job is the deadline, as for the ring.
+``failfast/waiting.py``). The caller's wait on the job is the deadline, as for the ring.
 
 The job also does what the layout of its pieces needs: the first bucket's waits for every
 rank's leaf count of the step (``TreeExchange.begin_step``) and reads the layout from it, and

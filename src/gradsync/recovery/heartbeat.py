@@ -11,7 +11,7 @@ wait of the training thread delays it). Two readers:
 - While inside a step, each member also watches the next member (its rank plus one, modulo the
   world size): a counter that has not moved for ``WATCH_S`` of the watcher's own clock means
   that member is dead or stopped, and the watcher announces a regroup, which wakes every
-  survivor waiting in a collective (``failfast/deadline.py``). One read per period per member:
+  survivor waiting in a collective (``failfast/waiting.py``). One read per period per member:
   O(1) each, however many ranks. ``WATCH_S`` is longer than ``STALE_S``: here no collective
   has failed, and a regroup for a member that only missed beats costs every rank a roll call.
   On a 2-core machine loaded five times over, beats stood still for more than 0.3 s during a

@@ -137,7 +137,7 @@ def begun_key(scope: str) -> str:
 
 def announce(store: dist.Store, scope: str) -> None:
     """Say that a regroup of the generation ``scope`` names has begun: survivors still waiting
-    in a collective give up their wait (``failfast.deadline.watch_for_regroups``)."""
+    in a collective give up their wait (``failfast.waiting.watch_for_regroups``)."""
     store.set(begun_key(scope), "1")
 
 
